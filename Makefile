@@ -1,0 +1,30 @@
+# The two commands of README.md. Each creates .venv on first use and installs what it needs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.megarl-installed
+
+.PHONY: demo test test-slow lint clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev,nixl,math,tensorboard]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/megarl demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -x tests
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check megarl bridge tests benchmarks
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,141 @@
+"""Tiny random HF model directories (Qwen3-MoE / Qwen3 dense) with a locally built tokenizer.
+
+Tests and the demo cannot download anything, so they write their own model: an HF
+``config.json``, random ``model.safetensors`` and a character-level tokenizer (built with the
+``tokenizers`` library) with a chat template. ``make_tiny_model(path)`` is the one entry point.
+"""
+
+from __future__ import annotations
+
+import json
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+# Character alphabet of the tokenizer: enough for the synthetic tasks and chat-formatted prompts.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+ALPHABET = list(string.digits + string.ascii_letters + " +-*/=()[],.:;?!'\"<>|_\n#")
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+Arch = Literal["qwen3_moe", "qwen3", "qwen2", "qwen2_moe", "mixtral", "llama"]
+
+
+def tokenizer_vocab() -> list[str]:
+    """The token strings in id order: special tokens first, then single characters."""
+    return SPECIAL_TOKENS + ALPHABET
+
+
+def build_tokenizer(vocab_size: int):
+    """A character-level ``PreTrainedTokenizerFast`` whose ids are all < ``vocab_size``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = tokenizer_vocab()
+    if len(tokens) > vocab_size:
+        raise ValueError(f"vocab_size must be >= {len(tokens)} for the tiny tokenizer")
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="?",
+        chat_template=CHAT_TEMPLATE,
+    )
+    return fast
+
+
+def tiny_config_dict(arch: Arch = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
+    """HF config fields of a tiny model of the given architecture (random init, fp32)."""
+    common: dict[str, Any] = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        torch_dtype="float32",
+    )
+    if arch == "qwen3_moe":
+        common.update(
+            architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+            router_aux_loss_coef=0.0,
+        )
+    elif arch == "qwen3":
+        common.update(architectures=["Qwen3ForCausalLM"], model_type="qwen3")
+    elif arch == "qwen2":
+        common.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2")
+        common.pop("head_dim")
+    elif arch == "qwen2_moe":
+        common.update(
+            architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe",
+            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=64, norm_topk_prob=False, decoder_sparse_step=1,
+            mlp_only_layers=[], router_aux_loss_coef=0.0,
+        )
+        common.pop("head_dim")
+    elif arch == "mixtral":
+        common.update(
+            architectures=["MixtralForCausalLM"], model_type="mixtral",
+            num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.0,
+        )
+        common.pop("head_dim")
+    elif arch == "llama":
+        common.update(architectures=["LlamaForCausalLM"], model_type="llama")
+        common.pop("head_dim")
+    else:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {Arch.__args__}")
+    common.update(overrides)
+    return common
+
+
+def make_tiny_model(
+    path: str | Path,
+    arch: Arch = "qwen3_moe",
+    seed: int = 0,
+    with_tokenizer: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random HF model (config, safetensors weights, tokenizer) to ``path``.
+
+    ``overrides`` replace fields of :func:`tiny_config_dict` (e.g. ``num_hidden_layers=4``).
+    Returns the directory. The same ``seed`` and arguments give bit-identical weights.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    cfg_dict = tiny_config_dict(arch, **overrides)
+    model_type = cfg_dict.pop("model_type")
+    config = AutoConfig.for_model(model_type, **cfg_dict)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    if with_tokenizer:
+        build_tokenizer(config.vocab_size).save_pretrained(path)
+    # generation_config defaults would otherwise differ between transformers versions
+    gen_cfg = {"eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}
+    (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    return path
