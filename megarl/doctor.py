@@ -1,0 +1,217 @@
+"""``megarl doctor``: check the environment before a job burns GPU hours (PITFALLS S1, M3).
+
+Each check prints one ``PASS`` / ``WARN`` / ``FAIL`` line; a failure carries its fix. The exit
+code is 1 when any check failed. ``--report`` adds what a bug report needs (commit, command,
+platform, resolved config).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata as md
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+Status = Literal["PASS", "WARN", "FAIL"]
+
+# package -> (tested range as (min inclusive, max exclusive) version tuples, required?, fix)
+TESTED: dict[str, tuple[tuple[int, ...], tuple[int, ...], bool, str]] = {
+    "torch": ((2, 6), (2, 15), True, "pip install torch==2.13.0 (CPU) or a CUDA build 2.6-2.14"),
+    "megatron-core": ((0, 16), (0, 20), True, "pip install 'megatron-core>=0.16,<0.20'"),
+    "mbridge": ((0, 15, 1), (0, 16), True, "pip install mbridge==0.15.1"),
+    "ray": ((2, 40), (2, 61), True, "pip install 'ray[default]>=2.40,<2.61'"),
+    "pydantic": ((2, 6), (3,), True, "pip install 'pydantic>=2.6,<3'"),
+    "transformers": ((4, 57), (5, 30), True, "pip install 'transformers>=4.57,<5.30'"),
+    "transformer-engine": ((2, 0), (3,), False,
+                           "optional on GPU: pip install transformer-engine[pytorch]"),
+    "sglang": ((0, 5, 4), (0, 6), False, "for rollout.backend=sglang: pip install 'megarl[sglang]'"),
+    "nixl-cu12": ((1, 0), (2,), False, "for checkpoint_engine.backend=nixl: pip install nixl-cu12"),
+}
+
+
+@dataclass
+class Check:
+    """One line of the doctor's report."""
+
+    status: Status
+    name: str
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        """The printed form: ``STATUS name: detail — fix``."""
+        text = f"{self.status:4} {self.name}: {self.detail}"
+        return f"{text} — {self.fix}" if self.fix and self.status != "PASS" else text
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def check_package(name: str) -> Check:
+    """Installed version of ``name`` against its tested range."""
+    low, high, required, fix = TESTED[name]
+    try:
+        version = md.version(name)
+    except md.PackageNotFoundError:
+        status: Status = "FAIL" if required else "WARN"
+        return Check(status, name, "not installed", fix)
+    rng = f"tested {'.'.join(map(str, low))} <= v < {'.'.join(map(str, high))}"
+    if low <= _version_tuple(version) < high:
+        return Check("PASS", name, f"{version} ({rng})")
+    return Check("WARN", name, f"{version} is outside the tested range ({rng})", fix)
+
+
+def check_python() -> Check:
+    """Python >= 3.11."""
+    if sys.version_info >= (3, 11):
+        return Check("PASS", "python", platform.python_version())
+    return Check("FAIL", "python", platform.python_version(), "use Python 3.11 or newer")
+
+
+def check_devices() -> list[Check]:
+    """CUDA devices, driver and NCCL as torch sees them; no GPU is a warning, not a failure."""
+    import torch
+
+    if not torch.cuda.is_available():
+        cuda_build = torch.version.cuda or "none (CPU build)"
+        return [Check("WARN", "cuda", f"no CUDA device visible (torch CUDA: {cuda_build}); "
+                      "megarl runs on CPU over gloo (development/CI mode)",
+                      "on a GPU node install a CUDA build of torch and check nvidia-smi")]
+    names = sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})
+    checks = [Check("PASS", "cuda", f"{torch.cuda.device_count()} x {', '.join(names)}, "
+                    f"torch CUDA {torch.version.cuda}")]
+    try:
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        checks.append(Check("PASS", "nccl", nccl))
+    except Exception as err:  # noqa: BLE001 - report whatever torch raises
+        checks.append(Check("FAIL", "nccl", f"unavailable ({err})", "install a torch with NCCL"))
+    smi = shutil.which("nvidia-smi")
+    if smi:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        checks.append(Check("PASS", "driver", out.stdout.strip().splitlines()[0]
+                            if out.returncode == 0 and out.stdout.strip() else "unknown"))
+    return checks
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def check_distributed() -> Check:
+    """A one-process torch.distributed group initialises and an all-reduce runs."""
+    import torch
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if dist.is_initialized():
+        return Check("PASS", "distributed", f"already initialised ({dist.get_backend()})")
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1)
+        device = "cuda" if backend == "nccl" else "cpu"
+        value = torch.ones(1, device=device)
+        dist.all_reduce(value)
+        ok = value.item() == 1.0
+    except Exception as err:  # noqa: BLE001
+        return Check("FAIL", "distributed", f"{backend} init failed: {err}",
+                     "check NCCL/gloo installation and that 127.0.0.1 is usable")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return Check("PASS" if ok else "FAIL", "distributed", f"one-process {backend} all-reduce")
+
+
+def check_layer_spec() -> Check:
+    """Which Megatron layer spec the actor will use (TE when importable, else native)."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return Check("WARN", "layer_spec", "TransformerEngine not importable: megarl's native "
+                     "spec will be used", "on GPU clusters install transformer-engine for the "
+                     "TE spec (optional)")
+    return Check("PASS", "layer_spec", "TransformerEngine spec")
+
+
+def check_ray() -> Check:
+    """Whether a local Ray instance is already running (PITFALLS S2)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return Check("FAIL", "ray", "not importable", TESTED["ray"][3])
+    sessions = Path("/tmp/ray/session_latest")
+    if sessions.exists() and shutil.which("ray"):
+        out = subprocess.run(["ray", "status"], capture_output=True, text=True, timeout=60)
+        if out.returncode == 0:
+            return Check("WARN", "ray", "a Ray instance is already running on this node; megarl "
+                         "attaches to it", "set ray.address or run `ray stop` to start fresh")
+    return Check("PASS", "ray", "no running local instance; megarl will start one")
+
+
+def check_disk(path: Path, min_gb: float = 10.0) -> Check:
+    """Free space where outputs and checkpoints go."""
+    target = path if path.exists() else Path.cwd()
+    free_gb = shutil.disk_usage(target).free / 1e9
+    if free_gb < min_gb:
+        return Check("WARN", "disk", f"{free_gb:.1f} GB free at {target}",
+                     "free space or set trainer.output_dir elsewhere")
+    return Check("PASS", "disk", f"{free_gb:.1f} GB free at {target}")
+
+
+def run_checks(output_dir: Path) -> list[Check]:
+    """All checks in the order they are printed."""
+    checks = [check_python()] + [check_package(name) for name in TESTED]
+    checks += check_devices()
+    checks += [check_distributed(), check_layer_spec(), check_ray(), check_disk(output_dir)]
+    return checks
+
+
+def report_header(argv: list[str]) -> list[str]:
+    """Lines a bug report needs: commit, command, platform."""
+    root = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
+                            text=True).stdout.strip() or "unknown (not a git checkout)"
+    return [f"megarl commit: {commit}", f"command: megarl doctor {' '.join(argv)}",
+            f"platform: {platform.platform()}", f"host: {socket.gethostname()}",
+            f"cpus: {os.cpu_count()}"]
+
+
+def doctor_main(argv: list[str]) -> int:
+    """``megarl doctor [--report] [--config CONFIG] [overrides]``."""
+    parser = argparse.ArgumentParser(prog="megarl doctor")
+    parser.add_argument("--report", action="store_true", help="add bug-report details")
+    parser.add_argument("--config", help="a run config to resolve and print")
+    parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides for --config")
+    args = parser.parse_args(argv)
+    if args.report:
+        print("\n".join(report_header(argv)))
+    output_dir = Path("outputs")
+    checks = run_checks(output_dir)
+    for check in checks:
+        print(check.line())
+    failed = [c for c in checks if c.status == "FAIL"]
+    if args.config:
+        from megarl.config import cli as config_cli
+
+        print(f"\nresolved config ({args.config}):")
+        config_cli.show_main([args.config, *args.overrides])
+    counts = {status: sum(c.status == status for c in checks) for status in ("PASS", "WARN", "FAIL")}
+    print(f"\n{len(checks)} checks: {counts['PASS']} pass, {counts['WARN']} warn, "
+          f"{counts['FAIL']} fail")
+    return 1 if failed else 0
