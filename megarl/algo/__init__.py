@@ -1,0 +1,67 @@
+"""RL algorithms as pure tensor functions: advantages, policy losses, KL, aggregation, corrections.
+
+Nothing here knows about engines or configs; every function takes tensors and masks and says
+its shapes in its docstring. Names follow verl's so that configs and habits carry over.
+"""
+
+from megarl.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    compute_advantages,
+    discounted_returns,
+    gae_advantages,
+    get_advantage_estimator,
+    grpo_advantages,
+    outcome_to_token_rewards,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
+from megarl.algo.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_counts
+from megarl.algo.entropy import entropy_from_logits
+from megarl.algo.kl import KL_ESTIMATORS, kl_penalty
+from megarl.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from megarl.algo.policy_loss import (
+    POLICY_LOSSES,
+    get_policy_loss,
+    gspo_policy_loss,
+    ppo_policy_loss,
+)
+from megarl.algo.rollout_correction import (
+    IS_LEVELS,
+    RS_LEVELS,
+    compute_rollout_correction,
+    rollout_is_weights,
+    rollout_probs_diff_metrics,
+    rollout_rejection_mask,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "IS_LEVELS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "RS_LEVELS",
+    "aggregate_loss",
+    "compute_advantages",
+    "compute_rollout_correction",
+    "discounted_returns",
+    "entropy_from_logits",
+    "gae_advantages",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "grpo_advantages",
+    "gspo_policy_loss",
+    "kl_penalty",
+    "loss_counts",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "outcome_to_token_rewards",
+    "ppo_policy_loss",
+    "reinforce_plus_plus_advantages",
+    "rloo_advantages",
+    "rollout_is_weights",
+    "rollout_probs_diff_metrics",
+    "rollout_rejection_mask",
+]
