@@ -1,0 +1,69 @@
+"""The resolved config as YAML, each value marked with where it came from (PITFALLS S6).
+
+The output is valid YAML (marks, derived sizes and problems are comments), so it can be saved
+next to a run's outputs and loaded again as a config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from megarl.config.derived import DerivedSizes, format_sizes
+from megarl.config.problems import Problem
+from megarl.config.schema import RunConfig
+
+
+def yaml_scalar(value: Any) -> str:
+    """One value in YAML flow style on one line (``null``, ``true``, ``[a, b]``, ``'x: y'``)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10**9, sort_keys=False).strip()
+    return text.removesuffix("\n...").strip()
+
+
+def _mark(path: str, sources: dict[str, str]) -> str:
+    """The ``# from ...`` comment of a value, empty for schema defaults."""
+    origin = sources.get(path)
+    if origin is None:
+        return ""
+    return "  # derived" if origin == "derived" else f"  # from {origin}"
+
+
+def _render_tree(tree: dict[str, Any], sources: dict[str, str], prefix: str,
+                 indent: int) -> list[str]:
+    """YAML lines of one mapping level."""
+    lines: list[str] = []
+    pad = " " * indent
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            lines.append(f"{pad}{key}:{_mark(path, sources)}")
+            lines.extend(_render_tree(value, sources, path + ".", indent + 2))
+        else:
+            lines.append(f"{pad}{key}: {yaml_scalar(value)}{_mark(path, sources)}")
+    return lines
+
+
+def render_config(cfg: RunConfig, sources: dict[str, str]) -> str:
+    """The resolved config as YAML with a source mark on every value that is not a default."""
+    return "\n".join(_render_tree(cfg.model_dump(mode="json"), sources, "", 0)) + "\n"
+
+
+def render_report(cfg: RunConfig, sources: dict[str, str], sizes: DerivedSizes,
+                  problems: list[Problem], title: str = "") -> str:
+    """Config, derived sizes, errors and warnings: what ``megarl config show`` prints."""
+    out: list[str] = []
+    if title:
+        out.append(f"# {title}")
+    out.append("# marks: '# from FILE' / '# from override' = set there; '# derived' = follows "
+               "another field; unmarked = default")
+    out.append(render_config(cfg, sources).rstrip("\n"))
+    out.append("")
+    out.append("# derived sizes")
+    out.extend(f"#   {line}" for line in format_sizes(sizes))
+    for severity, label in (("error", "errors"), ("warning", "warnings")):
+        chosen = [p for p in problems if p.severity == severity]
+        if chosen:
+            out.append(f"# {label} ({len(chosen)})")
+            out.extend(f"#   {p.line()}" for p in chosen)
+    return "\n".join(out) + "\n"

@@ -1,0 +1,326 @@
+"""The run config: one pydantic model for a whole megarl job.
+
+Sections: ``model, data, actor, ref, critic`` (schema_train.py), ``rollout, checkpoint_engine,
+algorithm, scheduler, resources, trainer, reward, ray`` (here). Every field is typed, defaulted
+and documented in one place. A few fields default to ``null`` meaning "follow another field";
+:class:`RunConfig` fills them when it is built (listed in :data:`DERIVED_FIELDS`), so a loaded
+config always holds concrete values.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from megarl.config.schema_common import Dtype, OffloadConfig, OptimConfig, ParallelConfig, Section
+from megarl.config.schema_train import (
+    ActorConfig,
+    CriticConfig,
+    DataConfig,
+    KLType,
+    ModelConfig,
+    RefConfig,
+)
+
+# verl's rejection-sampling criteria: aggregation level x divergence estimator.
+RolloutRS = Literal[
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
+]
+
+
+class RolloutConfig(Section):
+    """Generation on the rollout pool: engine backend, sampling and engine capacity."""
+
+    backend: Literal["sglang", "local"] = Field("sglang", description=(
+        "sglang = SGLang servers; local = megarl's embedded engine (same HTTP API, runs on CPU)"))
+    n: int = Field(8, ge=1, description="responses sampled per prompt (the GRPO group size)")
+    gpus_per_engine: int = Field(1, ge=1, description=(
+        "GPUs of one engine, its tensor-parallel size (verl's rollout "
+        "`tensor_model_parallel_size`); the number of engines is rollout-pool GPUs / this"))
+    temperature: float = Field(1.0, ge=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
+    top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 = off")
+    max_num_seqs: int | Literal["auto"] = Field("auto", description=(
+        "concurrent sequences per engine (SGLang `max_running_requests`); auto = the sequences "
+        "each engine receives per step, capped by the KV cache that fits"))
+    gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description=(
+        "fraction of GPU memory an engine may use for weights + KV cache (SGLang "
+        "`mem_fraction_static`)"))
+    colocate: bool = Field(True, description=(
+        "engines share the train pool's GPUs (memory is released between phases); false = a "
+        "separate `resources.rollout_pool`"))
+    enable_return_routed_experts: bool | None = Field(None, description=(
+        "engines return the routed experts of every token (needed by R3); null = on when "
+        "`actor.router_replay.mode` is R3"))
+    dtype: Dtype | None = Field(None, description="engine weight dtype; null = `model.dtype`")
+    api_key: str | None = Field(None, description=(
+        "API key the engines require on their HTTP endpoints; null = none"))
+    host: str = Field("127.0.0.1", description="interface the engine HTTP servers bind to")
+
+
+class CheckpointEngineConfig(Section):
+    """Weight streaming from the train pool to the rollout engines after each update."""
+
+    backend: Literal["nccl", "nixl", "ipc", "disk", "auto"] = Field("auto", description=(
+        "transport: nccl (gloo on CPU), nixl, ipc (colocated only), disk (shared file system); "
+        "auto = ipc when colocated, else nccl"))
+    bucket_size_mb: int = Field(2048, ge=1, description=(
+        "size of one streamed bucket (verl `update_weights_bucket_megabytes`); each sending rank "
+        "holds at most one extra bucket"))
+
+
+class KLControlConfig(Section):
+    """Coefficient controller of the in-reward KL penalty."""
+
+    type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed or adaptive coefficient")
+    kl_coef: float = Field(0.001, ge=0, description="(initial) KL penalty coefficient")
+    horizon: int = Field(10000, ge=1, description="adaptive controller horizon")
+    target_kl: float = Field(0.1, gt=0, description="adaptive controller target KL")
+
+
+class FilterGroupsConfig(Section):
+    """DAPO dynamic sampling: drop prompt groups whose responses all score the same."""
+
+    enable: bool = Field(False, description="drop groups with zero reward variance and refill")
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field("acc", description=(
+        "per-response value whose variance decides whether a group is kept"))
+    max_num_gen_batches: int = Field(0, ge=0, description=(
+        "generation batches tried per step before giving up; 0 = no limit"))
+
+
+class RolloutCorrectionConfig(Section):
+    """Off-policy correction between rollout-engine and trainer log-probs (verl's names)."""
+
+    rollout_is: Literal["token", "sequence"] | None = Field(None, description=(
+        "truncated importance-sampling weights per token or per sequence; null = off "
+        "(metrics are still logged)"))
+    rollout_is_threshold: float = Field(2.0, gt=0, description=(
+        "upper truncation of the IS weights"))
+    rollout_rs: RolloutRS | None = Field(None, description=(
+        "rejection sampling criterion (token_k1, seq_mean_k3, ...); null = off"))
+    rollout_rs_threshold: float | None = Field(None, gt=0, description=(
+        "upper bound of the rejection criterion (a ratio for *_k1, a divergence for k2/k3)"))
+    rollout_rs_threshold_lower: float | None = Field(None, gt=0, description=(
+        "*_k1 only: lower ratio bound; null = 1 / rollout_rs_threshold"))
+    bypass_mode: bool = Field(False, description=(
+        "use the rollout log-probs as the PPO anchor and skip the old-log-prob forward"))
+
+
+class AlgorithmConfig(Section):
+    """Advantage estimation, reward-side KL, dynamic sampling and rollout correction."""
+
+    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
+        "grpo", description="advantage estimator; gae needs the critic")
+    norm_adv_by_std_in_grpo: bool = Field(True, description=(
+        "GRPO: divide by the group's reward std (false = Dr. GRPO)"))
+    gamma: float = Field(1.0, ge=0, le=1, description="discount factor (gae, reinforce++)")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
+    use_kl_in_reward: bool = Field(False, description=(
+        "subtract a KL penalty from the reward; turns the reference model on"))
+    kl_penalty: KLType = Field("kl", description="KL estimator of the in-reward penalty")
+    kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig, description=(
+        "in-reward KL coefficient controller"))
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description=(
+        "DAPO dynamic sampling"))
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="rollout/trainer mismatch correction")
+
+
+class SchedulerConfig(Section):
+    """How rollout and training overlap, and how stale a sample may be."""
+
+    mode: Literal["colocate_sync", "one_step_off", "fully_async"] = Field(
+        "colocate_sync", description=(
+            "colocate_sync = generate then train; one_step_off = train step k while generating "
+            "k+1 (separate pools); fully_async = streaming queue (separate pools)"))
+    staleness_threshold: float = Field(0.1, ge=0, description=(
+        "fully_async: fraction of extra samples the rollout may generate with older weights per "
+        "sync interval (verl's meaning)"))
+    trigger_parameter_sync_step: int = Field(4, ge=1, description=(
+        "fully_async: optimizer updates between two weight pushes to the engines"))
+    partial_rollout: bool = Field(True, description=(
+        "fully_async: pause in-flight requests at a weight sync and resume them with the new "
+        "weights instead of discarding them"))
+    max_queue_length: int | None = Field(None, ge=1, description=(
+        "fully_async: most samples waiting for the trainer; null = derived from the staleness "
+        "bound"))
+
+
+class PoolConfig(Section):
+    """A set of GPUs (or, with `resources.device=cpu`, worker processes)."""
+
+    nnodes: int = Field(1, ge=1, description="nodes in the pool")
+    gpus_per_node: int = Field(8, ge=1, description=(
+        "GPUs per node in the pool; on CPU, worker processes per node"))
+
+    @property
+    def world_size(self) -> int:
+        """Total GPUs (or CPU worker processes) in the pool."""
+        return self.nnodes * self.gpus_per_node
+
+
+class ResourcesConfig(Section):
+    """Where the roles run: the train pool, the rollout pool and the device kind."""
+
+    train_pool: PoolConfig = Field(default_factory=PoolConfig, description=(
+        "GPUs of the actor, reference and critic"))
+    rollout_pool: PoolConfig | None = Field(None, description=(
+        "GPUs of the rollout engines when `rollout.colocate` is false; null = the train pool"))
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description=(
+        "auto = cuda when available; cpu runs every pool slot as one CPU process (gloo)"))
+    gpu_memory_gb: float | None = Field(None, gt=0, description=(
+        "memory of one GPU, used for the KV-cache and memory estimates; null = not estimated"))
+
+
+class TrainerConfig(Section):
+    """The run itself: length, outputs, checkpoints, logging, validation."""
+
+    total_steps: int = Field(100, ge=1, description="RL steps to run")
+    output_dir: str = Field("outputs/run", description=(
+        "directory of checkpoints, logs and the saved resolved config"))
+    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    resume: str = Field("auto", description=(
+        "auto = the latest checkpoint in output_dir if any; never; or a checkpoint directory"))
+    keep_last: int | None = Field(None, ge=1, description=(
+        "checkpoints kept on disk; null = all"))
+    loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
+        default_factory=lambda: ["console", "jsonl"], description="metric trackers")
+    project_name: str = Field("megarl", description="tracker project name")
+    experiment_name: str = Field("run", description="tracker run name")
+    wandb_proxy: str | None = Field(None, description=(
+        "HTTP(S) proxy used by the wandb tracker only (never by engine traffic)"))
+    worker_group: Literal["ray", "naive"] = Field("ray", description=(
+        "ray = Ray actors on placement groups; naive = every role in one torchrun process group "
+        "(debugging without Ray)"))
+    val_every: int = Field(0, ge=0, description="validate every N steps; 0 = never")
+    seed: int = Field(1, description="seed of model init, sampling and dropout")
+
+
+class RewardConfig(Section):
+    """Rule-based reward computation."""
+
+    function: str | None = Field(None, description=(
+        "'package.module:callable' or 'path/to/file.py:callable' with verl's compute_score "
+        "signature; null = megarl's built-in rewards chosen by the sample's data_source"))
+    batched: bool = Field(False, description=(
+        "call reward.function once per chunk of samples with plural argument names"))
+    format_score: float = Field(0.0, description=(
+        "reward of a well-formatted but wrong answer for the built-in synthetic tasks"))
+    timeout_s: float = Field(30.0, gt=0, description="time limit per scored sample")
+    num_workers: int = Field(4, ge=0, description=(
+        "parallel reward processes; 0 = score in the driver process (debugging, no timeouts)"))
+
+    @field_validator("function")
+    @classmethod
+    def _module_colon_callable(cls, value: str | None) -> str | None:
+        """Require the ``package.module:function`` or ``path/to/file.py:function`` form."""
+        if value is not None and not re.fullmatch(r"(?:[\w.]+|.+\.py):[\w.]+", value):
+            raise ValueError(f"{value!r} is not of the form 'package.module:function' or "
+                             "'path/to/file.py:function'")
+        return value
+
+
+class RayConfig(Section):
+    """How the driver joins or starts Ray."""
+
+    address: str | None = Field(None, description=(
+        "null = start a local Ray instance; 'auto' or host:port = attach to a running cluster"))
+    num_cpus: int | None = Field(None, ge=1, description=(
+        "CPUs Ray may use on this node (set from the Slurm allocation); null = Ray's detection"))
+    timeline_file: str | None = Field(None, description=(
+        "write a Ray timeline (chrome trace) here at the end of the run"))
+
+
+# Fields whose null means "follow another field"; RunConfig fills them when it is built.
+DERIVED_FIELDS: tuple[str, ...] = (
+    "model.tokenizer_path", "actor.log_prob_micro_batch_size_per_gpu", "ref.enabled",
+    "ref.parallel", "ref.log_prob_micro_batch_size_per_gpu", "critic.enabled",
+    "critic.model_path", "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
+    "critic.ppo_epochs", "critic.parallel", "rollout.enable_return_routed_experts",
+    "rollout.dtype",
+)
+
+
+class RunConfig(Section):
+    """A whole megarl run. Load it with :func:`megarl.config.load_config`."""
+
+    model: ModelConfig = Field(description="the policy model")
+    data: DataConfig = Field(description="prompt data and prompts per step")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="the trained policy")
+    ref: RefConfig = Field(default_factory=RefConfig, description="the reference policy")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="the value model")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="generation")
+    checkpoint_engine: CheckpointEngineConfig = Field(
+        default_factory=CheckpointEngineConfig, description="weight streaming to the engines")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig,
+                                       description="the RL algorithm")
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig, description=(
+        "overlap of rollout and training"))
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="GPU pools")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="the run")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="reward functions")
+    ray: RayConfig = Field(default_factory=RayConfig, description="Ray start-up")
+
+    @model_validator(mode="after")
+    def _fill_derived(self) -> RunConfig:
+        """Replace each null of DERIVED_FIELDS by the value it follows."""
+        actor = self.actor
+        self.model.tokenizer_path = self.model.tokenizer_path or self.model.path
+        if actor.log_prob_micro_batch_size_per_gpu is None:
+            actor.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+        if self.ref.enabled is None:
+            self.ref.enabled = actor.use_kl_loss or self.algorithm.use_kl_in_reward
+        if self.ref.parallel is None:
+            self.ref.parallel = actor.parallel.model_copy()
+        if self.ref.log_prob_micro_batch_size_per_gpu is None:
+            self.ref.log_prob_micro_batch_size_per_gpu = actor.log_prob_micro_batch_size_per_gpu
+        self._fill_critic()
+        if self.rollout.enable_return_routed_experts is None:
+            self.rollout.enable_return_routed_experts = actor.router_replay.mode == "R3"
+        if self.rollout.dtype is None:
+            self.rollout.dtype = self.model.dtype
+        return self
+
+    def _fill_critic(self) -> None:
+        """Critic fields that follow the actor's."""
+        critic, actor = self.critic, self.actor
+        if critic.enabled is None:
+            critic.enabled = self.algorithm.adv_estimator == "gae"
+        critic.model_path = critic.model_path or self.model.path
+        if critic.ppo_mini_batch_size is None:
+            critic.ppo_mini_batch_size = actor.ppo_mini_batch_size
+        if critic.ppo_micro_batch_size_per_gpu is None:
+            critic.ppo_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+        if critic.ppo_epochs is None:
+            critic.ppo_epochs = actor.ppo_epochs
+        if critic.parallel is None:
+            critic.parallel = actor.parallel.model_copy()
+
+
+__all__ = [
+    "DERIVED_FIELDS",
+    "ActorConfig",
+    "AlgorithmConfig",
+    "CheckpointEngineConfig",
+    "CriticConfig",
+    "DataConfig",
+    "FilterGroupsConfig",
+    "KLControlConfig",
+    "ModelConfig",
+    "OffloadConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "PoolConfig",
+    "RayConfig",
+    "RefConfig",
+    "ResourcesConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "RolloutCorrectionConfig",
+    "RunConfig",
+    "SchedulerConfig",
+    "TrainerConfig",
+]

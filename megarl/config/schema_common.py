@@ -1,0 +1,75 @@
+"""Building blocks shared by several sections of the run config: the strict base class and the
+parallel layout, optimizer and offload blocks that the actor, reference and critic each carry."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Dtype = Literal["bfloat16", "float16", "float32"]
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are rejected, defaults are validated too."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ParallelConfig(Section):
+    """Megatron parallel layout of one role (actor, reference or critic) on the train pool.
+
+    The train pool's GPUs are split as ``tp x pp x cp x dp``; expert layers are split as
+    ``etp x ep x expert_dp`` inside each pipeline stage (megatron-core's rule).
+    """
+
+    tp: int = Field(1, ge=1, description=(
+        "tensor-model-parallel size (Megatron `tensor_model_parallel_size`); must divide the "
+        "model's attention heads"))
+    pp: int = Field(1, ge=1, description=(
+        "pipeline-model-parallel size (`pipeline_model_parallel_size`); must divide the number "
+        "of layers"))
+    vpp: int | None = Field(None, ge=1, description=(
+        "virtual pipeline stages per pipeline rank (`virtual_pipeline_model_parallel_size`, "
+        "interleaved schedule); null = off; needs pp > 1"))
+    ep: int = Field(1, ge=1, description=(
+        "expert-model-parallel size (`expert_model_parallel_size`); must divide the number of "
+        "routed experts"))
+    etp: int | None = Field(None, ge=1, description=(
+        "expert-tensor-parallel size (`expert_tensor_parallel_size`); null = same as tp "
+        "(megatron-core's default); 1 is usual for MoE"))
+    cp: int = Field(1, ge=1, description=(
+        "context-parallel size (`context_parallel_size`); the longest sequence must be "
+        "divisible by 2 x cp"))
+    sequence_parallel: bool = Field(True, description=(
+        "Megatron sequence parallelism inside the TP group; only active when tp > 1, and "
+        "required for MoE models with tp > 1"))
+
+    @property
+    def expert_tp(self) -> int:
+        """The effective expert-tensor-parallel size (``etp``, or ``tp`` when unset)."""
+        return self.tp if self.etp is None else self.etp
+
+
+class OptimConfig(Section):
+    """Optimizer (Adam) and learning-rate schedule of one trained role."""
+
+    lr: float = Field(1e-6, gt=0, description="peak learning rate")
+    weight_decay: float = Field(0.01, ge=0, description="decoupled weight decay (AdamW)")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam beta1, beta2")
+    lr_warmup_steps: int = Field(0, ge=0, description=(
+        "optimizer steps of linear warm-up from 0 to `lr`"))
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field("constant", description=(
+        "learning-rate decay after warm-up, down to `min_lr` at the last optimizer step"))
+    min_lr: float = Field(0.0, ge=0, description="learning rate at the end of the decay")
+
+
+class OffloadConfig(Section):
+    """What a trained role moves to host memory between its phases (verl's Megatron offload)."""
+
+    param_offload: bool = Field(False, description=(
+        "keep parameters in host memory while the role is idle"))
+    grad_offload: bool = Field(False, description=(
+        "keep gradient buffers in host memory while the role is idle"))
+    optimizer_offload: bool = Field(False, description=(
+        "keep optimizer states in host memory while the role is idle"))

@@ -1,0 +1,179 @@
+"""Config sections of the train side: the model, the prompt data, the actor, the reference model
+and the critic. Key names follow verl's where the concept is the same."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from megarl.config.schema_common import Dtype, OffloadConfig, OptimConfig, ParallelConfig, Section
+
+LossAggMode = Literal[
+    "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+]
+# verl's KL estimators; a "+" suffix uses straight-through k2 gradients with the named value.
+KLType = Literal[
+    "kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full",
+    "kl+", "k1+", "abs+", "mse+", "k2+", "low_var_kl+", "k3+",
+]
+
+
+class ModelConfig(Section):
+    """The policy model: an HF model directory, loaded directly through the bridge."""
+
+    path: str = Field(description=(
+        "local HF model directory (config.json + safetensors); its architecture is checked "
+        "against the parallel layout"))
+    tokenizer_path: str | None = Field(None, description=(
+        "tokenizer directory; null = `path`"))
+    dtype: Dtype = Field("bfloat16", description=(
+        "training parameter dtype (Megatron keeps fp32 master weights in the optimizer)"))
+    trust_remote_code: bool = Field(False, description=(
+        "allow custom modelling code shipped with the model (HF `trust_remote_code`)"))
+
+
+class DataConfig(Section):
+    """Prompt datasets (parquet/jsonl in verl's schema) and the batch of prompts per step."""
+
+    train_files: list[str] = Field(min_length=1, description=(
+        "training prompt files (parquet or jsonl); each must exist and be readable before any "
+        "worker starts"))
+    val_files: list[str] = Field(default_factory=list, description=(
+        "validation prompt files; needed when `trainer.val_every` > 0"))
+    prompt_key: str = Field("prompt", description="column that holds the chat-format prompt")
+    max_prompt_length: int = Field(512, ge=1, description="longest prompt in tokens")
+    max_response_length: int = Field(1024, ge=1, description=(
+        "most tokens generated per response"))
+    train_batch_size: int = Field(64, ge=1, description=(
+        "prompts per RL step; each gets `rollout.n` responses"))
+    val_batch_size: int | None = Field(None, ge=1, description=(
+        "prompts per validation batch; null = the whole validation set at once"))
+    shuffle: bool = Field(True, description="shuffle the training prompts every epoch")
+    seed: int = Field(1, description="seed of the prompt shuffling")
+
+    @field_validator("train_files", "val_files", mode="before")
+    @classmethod
+    def _one_file_is_a_list(cls, value: object) -> object:
+        """Accept a single path where a list of paths is expected (as verl does)."""
+        return [value] if isinstance(value, str) else value
+
+
+class PolicyLossConfig(Section):
+    """Which policy-gradient objective the actor minimises."""
+
+    loss_mode: Literal["vanilla", "gspo"] = Field("vanilla", description=(
+        "vanilla = PPO clipped token ratio; gspo = sequence-level (length-normalised) ratio"))
+
+
+class RecomputeConfig(Section):
+    """Activation recomputation of the Megatron model (trades compute for memory)."""
+
+    granularity: Literal["none", "selective", "full"] = Field("none", description=(
+        "none, selective (attention core only) or full (whole layers)"))
+    method: Literal["uniform", "block"] = Field("uniform", description=(
+        "full recompute only: uniform = every `num_layers` layers as one unit; block = the "
+        "first `num_layers` layers of each pipeline stage"))
+    num_layers: int = Field(1, ge=1, description="full recompute only: layers per unit / block")
+
+
+class RouterReplayConfig(Section):
+    """MoE router replay: train on the experts the rollout (R3) or old policy (R2) chose."""
+
+    mode: Literal["disabled", "R2", "R3"] = Field("disabled", description=(
+        "R2 = record routes in the old-log-prob forward and replay them in the update; "
+        "R3 = replay the routes returned by the rollout engine in both (needs a MoE model)"))
+
+
+class ActorConfig(Section):
+    """The policy being trained: batch split, PPO loss, optimizer and Megatron layout."""
+
+    ppo_mini_batch_size: int = Field(16, ge=1, description=(
+        "prompts per optimizer step (multiplied by `rollout.n` into sequences); must divide "
+        "`data.train_batch_size`"))
+    ppo_micro_batch_size: int | None = Field(None, ge=1, description=(
+        "global micro-batch in sequences, split over DP ranks (verl's deprecated form); "
+        "mutually exclusive with `ppo_micro_batch_size_per_gpu`"))
+    ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description=(
+        "sequences per forward/backward on one DP rank; required unless `use_dynamic_bsz`"))
+    use_dynamic_bsz: bool = Field(False, description=(
+        "pack micro-batches by token budget (`ppo_max_token_len_per_gpu`) instead of a fixed "
+        "number of sequences"))
+    ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description=(
+        "dynamic batch size: tokens per micro-batch per GPU (scaled by cp); must hold one "
+        "sequence of max_prompt_length + max_response_length"))
+    ppo_epochs: int = Field(1, ge=1, description="passes over each step's samples")
+    clip_ratio_low: float = Field(0.2, ge=0, description=(
+        "PPO clip below: ratio >= 1 - clip_ratio_low"))
+    clip_ratio_high: float = Field(0.2, ge=0, description=(
+        "PPO clip above: ratio <= 1 + clip_ratio_high (raise it for DAPO clip-higher)"))
+    clip_ratio_c: float = Field(3.0, gt=1, description=(
+        "dual-clip bound for negative advantages"))
+    loss_agg_mode: LossAggMode = Field("token-mean", description=(
+        "how token losses are averaged; token-mean avoids GRPO's length bias"))
+    entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    use_kl_loss: bool = Field(False, description=(
+        "add a KL(policy || reference) term to the loss; turns the reference model on"))
+    kl_loss_coef: float = Field(0.001, ge=0, description="coefficient of the KL loss")
+    kl_loss_type: KLType = Field("low_var_kl", description=(
+        "KL estimator: kl/k1, abs, mse/k2, low_var_kl/k3, full; '+' suffix = k2 gradients"))
+    policy_loss: PolicyLossConfig = Field(default_factory=PolicyLossConfig, description=(
+        "policy-gradient objective"))
+    grad_clip: float = Field(1.0, ge=0, description=(
+        "gradient-norm clipping threshold; 0 turns clipping off"))
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="optimizer and schedule")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description=(
+        "Megatron parallel layout"))
+    use_distributed_optimizer: bool = Field(True, description=(
+        "shard optimizer states over data-parallel ranks (Megatron distributed optimizer)"))
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description=(
+        "host-memory offload between phases"))
+    recompute: RecomputeConfig = Field(default_factory=RecomputeConfig, description=(
+        "activation recomputation"))
+    router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig, description=(
+        "MoE router replay"))
+    log_prob_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description=(
+        "sequences per forward when recomputing old log-probs; null = the training micro-batch"))
+
+
+class RefOffloadConfig(Section):
+    """Offload of the reference model (it has no gradients or optimizer)."""
+
+    param_offload: bool = Field(False, description=(
+        "keep reference parameters in host memory between its forwards"))
+
+
+class RefConfig(Section):
+    """The frozen reference policy used by KL terms."""
+
+    enabled: bool | None = Field(None, description=(
+        "null = on when `actor.use_kl_loss` or `algorithm.use_kl_in_reward` is set"))
+    parallel: ParallelConfig | None = Field(None, description=(
+        "Megatron layout of the reference; null = the actor's"))
+    offload: RefOffloadConfig = Field(default_factory=RefOffloadConfig, description=(
+        "host-memory offload"))
+    log_prob_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description=(
+        "sequences per forward; null = the actor's log-prob micro-batch"))
+
+
+class CriticConfig(Section):
+    """The value model, used by GAE."""
+
+    enabled: bool | None = Field(None, description=(
+        "null = on when `algorithm.adv_estimator` is gae"))
+    model_path: str | None = Field(None, description=(
+        "HF directory the critic starts from; null = `model.path`"))
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description=(
+        "optimizer and schedule (lr 1e-5 by default)"))
+    ppo_mini_batch_size: int | None = Field(None, ge=1, description=(
+        "prompts per critic optimizer step; null = the actor's"))
+    ppo_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description=(
+        "sequences per forward/backward per DP rank; null = the actor's"))
+    ppo_epochs: int | None = Field(None, ge=1, description="null = the actor's")
+    cliprange_value: float = Field(0.5, gt=0, description="value-function clip range")
+    grad_clip: float = Field(1.0, ge=0, description="gradient-norm clip; 0 turns it off")
+    parallel: ParallelConfig | None = Field(None, description=(
+        "Megatron layout of the critic; null = the actor's"))
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description=(
+        "host-memory offload"))

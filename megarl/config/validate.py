@@ -1,0 +1,508 @@
+"""Cross-field validation of a run config: one named rule per check, every problem collected and
+reported at once as ``field(s): what is wrong — fix``, errors apart from warnings.
+
+Covers PITFALLS S3 (files readable before any worker starts), B2 (batch sizes that divide),
+T7 (param + optimizer offload) and the consistency of pools, schedulers and algorithm options
+here; B3-B5 (layout against the model's architecture) live in validate_layout.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+from megarl.config.derived import (
+    derive_sizes,
+    divisors,
+    is_whole,
+    nearest_divisor,
+    nearest_multiple,
+)
+from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info
+from megarl.config.problems import Context, Problem, error, warning
+from megarl.config.schema import RunConfig
+from megarl.config.validate_layout import LAYOUT_RULES, Rule
+
+# ---------------------------------------------------------------------------------------------
+# Batch sizes (B2)
+
+
+def check_mini_batch_divides_train_batch(ctx: Context) -> Iterator[Problem]:
+    """train_batch_size >= ppo_mini_batch_size, and a whole number of mini-batches per step."""
+    train, mini = ctx.cfg.data.train_batch_size, ctx.cfg.actor.ppo_mini_batch_size
+    fields = ("data.train_batch_size", "actor.ppo_mini_batch_size")
+    if mini > train:
+        yield error(fields, f"ppo_mini_batch_size {mini} is larger than train_batch_size {train}",
+                    f"set actor.ppo_mini_batch_size={nearest_divisor(train, mini)} or "
+                    f"data.train_batch_size={mini}")
+    elif train % mini:
+        yield error(fields, f"train_batch_size {train} is not a multiple of ppo_mini_batch_size "
+                    f"{mini}", f"set actor.ppo_mini_batch_size={nearest_divisor(train, mini)} or "
+                    f"data.train_batch_size={nearest_multiple(mini, train)}")
+
+
+def check_micro_batch_sizes_exclusive(ctx: Context) -> Iterator[Problem]:
+    """Exactly one of the global and per-GPU micro-batch sizes (unless dynamic batch size)."""
+    actor, dp = ctx.cfg.actor, ctx.sizes.actor.dp
+    if actor.ppo_micro_batch_size is not None and actor.ppo_micro_batch_size_per_gpu is not None:
+        yield error(("actor.ppo_micro_batch_size", "actor.ppo_micro_batch_size_per_gpu"),
+                    "both the global and the per-GPU micro-batch size are set",
+                    f"remove actor.ppo_micro_batch_size and keep "
+                    f"actor.ppo_micro_batch_size_per_gpu={actor.ppo_micro_batch_size_per_gpu}")
+    elif (actor.ppo_micro_batch_size is None and actor.ppo_micro_batch_size_per_gpu is None
+          and not actor.use_dynamic_bsz):
+        per_rank = ctx.sizes.sequences_per_mini_batch_per_dp_rank
+        size = nearest_divisor(per_rank, 4) if is_whole(per_rank) else 1
+        yield error("actor.ppo_micro_batch_size_per_gpu", "no micro-batch size is set",
+                    f"set actor.ppo_micro_batch_size_per_gpu={size} (a divisor of the "
+                    f"{per_rank if is_whole(per_rank) else 'n/a'} sequences a DP rank gets per "
+                    f"mini-batch, dp={dp}) or actor.use_dynamic_bsz=true")
+
+
+def check_global_micro_batch_splits_over_dp(ctx: Context) -> Iterator[Problem]:
+    """The deprecated global micro-batch must split evenly over the DP ranks."""
+    actor, dp = ctx.cfg.actor, ctx.sizes.actor.dp
+    micro = actor.ppo_micro_batch_size
+    if (micro is None or actor.ppo_micro_batch_size_per_gpu is not None or actor.use_dynamic_bsz
+            or not is_whole(dp) or micro % dp == 0):
+        return
+    yield error("actor.ppo_micro_batch_size", f"the global micro-batch of {micro} sequences does "
+                f"not split over dp={dp} ranks", f"set actor.ppo_micro_batch_size="
+                f"{nearest_multiple(dp, micro)} or use actor.ppo_micro_batch_size_per_gpu")
+
+
+def _mini_options(train: int, n: int, dp: int) -> list[int]:
+    """Mini-batch sizes (prompts) that divide train and give whole sequences per DP rank."""
+    return [m for m in divisors(train) if (m * n) % dp == 0]
+
+
+def check_mini_batch_splits_over_dp(ctx: Context) -> Iterator[Problem]:
+    """(ppo_mini_batch_size x n) sequences must split evenly over the actor's DP ranks."""
+    cfg, dp = ctx.cfg, ctx.sizes.actor.dp
+    mini, n = cfg.actor.ppo_mini_batch_size, cfg.rollout.n
+    if not is_whole(dp) or (mini * n) % dp == 0:
+        return
+    options = _mini_options(cfg.data.train_batch_size, n, dp)
+    train = cfg.data.train_batch_size
+    fix = (f"set actor.ppo_mini_batch_size={min(options, key=lambda m: (abs(m - mini), m))}"
+           if options else f"set data.train_batch_size={nearest_multiple(dp, train)} and "
+           f"actor.ppo_mini_batch_size={nearest_multiple(dp, mini)}")
+    yield error(("actor.ppo_mini_batch_size", "rollout.n"), f"a mini-batch of {mini} prompts x "
+                f"{n} samples = {mini * n} sequences does not split over dp={dp} ranks", fix)
+
+
+def check_micro_batch_divides_mini_batch(ctx: Context) -> Iterator[Problem]:
+    """The sequences a DP rank gets per mini-batch must be a multiple of its micro-batch."""
+    s = ctx.sizes
+    per_rank, micro = s.sequences_per_mini_batch_per_dp_rank, s.micro_batch_size_per_gpu
+    if not is_whole(per_rank) or not is_whole(micro) or per_rank % micro == 0:
+        return
+    actor = ctx.cfg.actor
+    field = ("actor.ppo_micro_batch_size_per_gpu" if actor.ppo_micro_batch_size_per_gpu
+             else "actor.ppo_micro_batch_size")
+    yield error((field, "actor.ppo_mini_batch_size", "rollout.n"),
+                f"each DP rank gets {per_rank} sequences per mini-batch (ppo_mini_batch_size "
+                f"{actor.ppo_mini_batch_size} x n {ctx.cfg.rollout.n} / dp {s.actor.dp}), not a "
+                f"multiple of the micro-batch of {micro}",
+                f"set actor.ppo_micro_batch_size_per_gpu={nearest_divisor(per_rank, micro)}")
+
+
+def check_dynamic_bsz_token_budget(ctx: Context) -> Iterator[Problem]:
+    """A dynamic micro-batch must hold at least one sequence of the longest length."""
+    actor, data = ctx.cfg.actor, ctx.cfg.data
+    cp = actor.parallel.cp
+    longest = data.max_prompt_length + data.max_response_length
+    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * cp < longest:
+        yield error(("actor.ppo_max_token_len_per_gpu", "data.max_prompt_length",
+                     "data.max_response_length"),
+                    f"the token budget {actor.ppo_max_token_len_per_gpu} x cp {cp} is smaller "
+                    f"than one sequence of {data.max_prompt_length} + "
+                    f"{data.max_response_length} = {longest} tokens",
+                    f"set actor.ppo_max_token_len_per_gpu={math.ceil(longest / cp)} or more")
+
+
+def check_critic_batch_split(ctx: Context) -> Iterator[Problem]:
+    """The critic's mini/micro batches must split like the actor's."""
+    cfg = ctx.cfg
+    critic = cfg.critic
+    if not critic.enabled or critic.ppo_mini_batch_size is None:
+        return
+    train, mini, n = cfg.data.train_batch_size, critic.ppo_mini_batch_size, cfg.rollout.n
+    if train % mini:
+        yield error(("critic.ppo_mini_batch_size", "data.train_batch_size"), f"train_batch_size "
+                    f"{train} is not a multiple of the critic's mini-batch {mini}",
+                    f"set critic.ppo_mini_batch_size={nearest_divisor(train, mini)}")
+        return
+    dp = ctx.sizes.critic.dp if ctx.sizes.critic else ctx.sizes.actor.dp
+    micro = critic.ppo_micro_batch_size_per_gpu
+    if not is_whole(dp) or micro is None or cfg.actor.use_dynamic_bsz:
+        return
+    per_rank = mini * n / dp
+    if per_rank != int(per_rank) or int(per_rank) % micro:
+        fix = (f"set critic.ppo_micro_batch_size_per_gpu={nearest_divisor(int(per_rank), micro)}"
+               if per_rank == int(per_rank) else "choose a critic.ppo_mini_batch_size whose "
+               f"sequences split over dp={dp}")
+        yield error(("critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu"),
+                    f"the critic's {mini * n} sequences per mini-batch over dp={dp} do not split "
+                    f"into micro-batches of {micro}", fix)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files (S3) and the model directory
+
+
+def check_model_dir(ctx: Context) -> Iterator[Problem]:
+    """model.path must be an HF model directory whose config.json can be read."""
+    if ctx.model_error is None:
+        return
+    if not Path(ctx.cfg.model.path).exists():
+        yield ctx.missing("model.path", f"{ctx.model_error}; the checks against the model's "
+                          "architecture were skipped", "create it first (megarl demo builds the "
+                          "tiny one) or point model.path at an HF model directory")
+    else:
+        yield error("model.path", ctx.model_error, "point model.path at an HF model directory "
+                    "(config.json + safetensors)")
+
+
+def _path_problem(ctx: Context, field: str, path: str) -> Problem | None:
+    """A problem when ``path`` does not exist or cannot be read."""
+    p = Path(path)
+    if not p.exists():
+        return ctx.missing(field, f"{path} does not exist", "check the path, or create the file "
+                           "before starting (every node must be able to read it)")
+    if not os.access(p, os.R_OK) or (p.is_dir() and not os.access(p, os.X_OK)):
+        return error(field, f"{path} is not readable by this user", "fix its permissions")
+    return None
+
+
+def check_data_files(ctx: Context) -> Iterator[Problem]:
+    """Every data file exists and is readable before any worker starts (S3)."""
+    data = ctx.cfg.data
+    for field, files in (("data.train_files", data.train_files),
+                         ("data.val_files", data.val_files)):
+        for path in files:
+            problem = _path_problem(ctx, field, path)
+            if problem is not None:
+                yield problem
+
+
+def check_other_paths(ctx: Context) -> Iterator[Problem]:
+    """Tokenizer, critic start point and resume directory exist when given explicitly."""
+    cfg = ctx.cfg
+    candidates = [("model.tokenizer_path", cfg.model.tokenizer_path)]
+    if cfg.critic.enabled:
+        candidates.append(("critic.model_path", cfg.critic.model_path))
+    if cfg.trainer.resume not in ("auto", "never"):
+        candidates.append(("trainer.resume", cfg.trainer.resume))
+    for field, path in candidates:
+        if path and path != cfg.model.path:
+            problem = _path_problem(ctx, field, path)
+            if problem is not None:
+                yield problem
+
+
+# ---------------------------------------------------------------------------------------------
+# Pools, schedulers, transports
+
+
+def check_pools_and_colocation(ctx: Context) -> Iterator[Problem]:
+    """Colocated engines use the train pool; separate pools need a rollout_pool."""
+    rollout, resources = ctx.cfg.rollout, ctx.cfg.resources
+    if rollout.colocate and resources.rollout_pool is not None:
+        yield error(("rollout.colocate", "resources.rollout_pool"), "colocated engines run on the "
+                    "train pool, so resources.rollout_pool would be ignored",
+                    "set rollout.colocate=false to use the separate pool, or remove "
+                    "resources.rollout_pool")
+    if not rollout.colocate and resources.rollout_pool is None:
+        yield error(("rollout.colocate", "resources.rollout_pool"), "separate engines need a "
+                    "rollout pool", "add resources.rollout_pool (nnodes, gpus_per_node) or set "
+                    "rollout.colocate=true")
+
+
+def check_scheduler_needs_separate_pools(ctx: Context) -> Iterator[Problem]:
+    """one_step_off and fully_async overlap rollout with training, so they need two pools."""
+    mode = ctx.cfg.scheduler.mode
+    if mode != "colocate_sync" and ctx.cfg.rollout.colocate:
+        yield error(("scheduler.mode", "rollout.colocate"), f"{mode} overlaps generation with "
+                    "training, which needs engines on their own GPUs", "set rollout.colocate=false "
+                    "with a resources.rollout_pool, or scheduler.mode=colocate_sync")
+
+
+def check_weight_sync_backend(ctx: Context) -> Iterator[Problem]:
+    """ipc needs colocation; nixl needs the NIXL package."""
+    backend = ctx.cfg.checkpoint_engine.backend
+    if backend == "ipc" and not ctx.cfg.rollout.colocate:
+        yield error(("checkpoint_engine.backend", "rollout.colocate"), "ipc moves weights inside "
+                    "one machine's shared memory, but the engines are on a separate pool",
+                    "use checkpoint_engine.backend=nccl (or auto)")
+    if backend == "nixl" and not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
+        yield error("checkpoint_engine.backend", "the NIXL package is not installed",
+                    "pip install nixl-cu12, or use checkpoint_engine.backend=nccl")
+
+
+def check_device_settings(ctx: Context) -> Iterator[Problem]:
+    """SGLang needs CUDA; CPU runs are meant for fp32."""
+    cfg = ctx.cfg
+    if cfg.resources.device != "cpu":
+        return
+    if cfg.rollout.backend == "sglang":
+        yield error(("rollout.backend", "resources.device"), "SGLang engines need CUDA GPUs",
+                    "set rollout.backend=local on CPU")
+    if cfg.model.dtype != "float32":
+        yield warning(("model.dtype", "resources.device"), f"{cfg.model.dtype} on CPU is slow and "
+                      "some CPU kernels need aligned strides", "set model.dtype=float32 on CPU")
+    processes = cfg.resources.train_pool.world_size + (0 if cfg.rollout.colocate else (
+        cfg.resources.rollout_pool.world_size if cfg.resources.rollout_pool else 0))
+    if cfg.ray.num_cpus is not None and cfg.ray.num_cpus < processes:
+        yield warning(("ray.num_cpus", "resources"), f"{processes} worker processes but Ray may "
+                      f"use {cfg.ray.num_cpus} CPUs; workers wait for a free CPU",
+                      f"set ray.num_cpus={processes} or more")
+
+
+# ---------------------------------------------------------------------------------------------
+# Algorithm
+
+
+def check_offload_param_and_optimizer(ctx: Context) -> Iterator[Problem]:
+    """Param + optimizer offload together is slower and uses more memory than either (T7)."""
+    for role, offload in (("actor", ctx.cfg.actor.offload), ("critic", ctx.cfg.critic.offload)):
+        if offload.param_offload and offload.optimizer_offload and (
+                role == "actor" or ctx.cfg.critic.enabled):
+            yield warning((f"{role}.offload.param_offload", f"{role}.offload.optimizer_offload"),
+                          "param and optimizer offload together are slower and need more memory "
+                          "than either alone", f"keep one: {role}.offload.optimizer_offload=true "
+                          "alone usually frees the most GPU memory")
+
+
+def check_group_size(ctx: Context) -> Iterator[Problem]:
+    """Group-relative estimators and dynamic sampling need several responses per prompt."""
+    cfg = ctx.cfg
+    n, estimator = cfg.rollout.n, cfg.algorithm.adv_estimator
+    if n < 2 and estimator in ("grpo", "rloo"):
+        yield error(("rollout.n", "algorithm.adv_estimator"), f"{estimator} compares responses "
+                    "to the same prompt but rollout.n=1 gives every advantage 0",
+                    "set rollout.n=8 (or any n >= 2)")
+    elif n < 2 and cfg.algorithm.filter_groups.enable:
+        yield error(("rollout.n", "algorithm.filter_groups.enable"), "dynamic sampling drops "
+                    "groups without reward variance; a group of 1 never has any",
+                    "set rollout.n >= 2")
+
+
+def check_critic_for_gae(ctx: Context) -> Iterator[Problem]:
+    """gae needs the critic; a critic without gae is trained for nothing."""
+    cfg = ctx.cfg
+    if cfg.algorithm.adv_estimator == "gae" and not cfg.critic.enabled:
+        yield error(("algorithm.adv_estimator", "critic.enabled"), "gae needs a value model but "
+                    "the critic is off", "set critic.enabled=true (or leave it unset)")
+    elif cfg.algorithm.adv_estimator != "gae" and cfg.critic.enabled:
+        yield warning(("critic.enabled", "algorithm.adv_estimator"), f"the critic is trained but "
+                      f"{cfg.algorithm.adv_estimator} does not use it",
+                      "leave critic.enabled unset")
+
+
+def check_reference_for_kl(ctx: Context) -> Iterator[Problem]:
+    """KL terms need the reference model; KL in both loss and reward is counted twice."""
+    cfg = ctx.cfg
+    kl_loss, kl_reward = cfg.actor.use_kl_loss, cfg.algorithm.use_kl_in_reward
+    if (kl_loss or kl_reward) and not cfg.ref.enabled:
+        field = "actor.use_kl_loss" if kl_loss else "algorithm.use_kl_in_reward"
+        yield error((field, "ref.enabled"), "a KL term needs the reference model but it is off",
+                    "set ref.enabled=true (or leave it unset)")
+    if kl_loss and kl_reward:
+        yield warning(("actor.use_kl_loss", "algorithm.use_kl_in_reward"), "KL is applied both in "
+                      "the loss and in the reward",
+                      "keep one (GRPO usually uses actor.use_kl_loss)")
+
+
+def check_policy_loss_settings(ctx: Context) -> Iterator[Problem]:
+    """GSPO uses sequence-level ratios: small clip ratios, sequence-mean aggregation."""
+    actor = ctx.cfg.actor
+    if actor.policy_loss.loss_mode != "gspo":
+        return
+    if actor.loss_agg_mode != "seq-mean-token-mean":
+        yield warning(("actor.policy_loss.loss_mode", "actor.loss_agg_mode"), "GSPO is defined "
+                      f"with sequence-mean aggregation, not {actor.loss_agg_mode}",
+                      "set actor.loss_agg_mode=seq-mean-token-mean")
+    if max(actor.clip_ratio_low, actor.clip_ratio_high) > 0.01:
+        yield warning(("actor.clip_ratio_low", "actor.clip_ratio_high"), "GSPO's sequence ratios "
+                      "are geometric means near 1; clip ratios this large never clip",
+                      "use clip_ratio_low=3e-4 and clip_ratio_high=4e-4 (GSPO paper)")
+
+
+def check_rollout_correction(ctx: Context) -> Iterator[Problem]:
+    """Rejection sampling needs a threshold; truncation below 1 shrinks every weight."""
+    rc = ctx.cfg.algorithm.rollout_correction
+    prefix = "algorithm.rollout_correction."
+    if rc.rollout_is is not None and rc.rollout_is_threshold <= 1:
+        yield warning(prefix + "rollout_is_threshold", f"a truncation at {rc.rollout_is_threshold} "
+                      "<= 1 down-weights on-policy tokens too",
+                      f"use {prefix}rollout_is_threshold=2.0")
+    if rc.rollout_rs is not None and rc.rollout_rs_threshold is None:
+        example = "2.0" if rc.rollout_rs.endswith("k1") else "0.01"
+        yield error((prefix + "rollout_rs", prefix + "rollout_rs_threshold"), f"rejection "
+                    f"sampling {rc.rollout_rs} has no threshold",
+                    f"set {prefix}rollout_rs_threshold (e.g. {example})")
+    if (rc.rollout_rs is not None and rc.rollout_rs.endswith("k1") and rc.rollout_rs_threshold
+            and rc.rollout_rs_threshold_lower
+            and rc.rollout_rs_threshold_lower >= rc.rollout_rs_threshold):
+        yield error((prefix + "rollout_rs_threshold_lower", prefix + "rollout_rs_threshold"),
+                    "the lower ratio bound is not below the upper one",
+                    f"use {prefix}rollout_rs_threshold_lower={1 / rc.rollout_rs_threshold:.3g}")
+
+
+def check_router_replay(ctx: Context) -> Iterator[Problem]:
+    """Router replay needs a MoE model; R3 needs the engines to return their routes."""
+    cfg, model = ctx.cfg, ctx.model
+    mode = cfg.actor.router_replay.mode
+    if mode != "disabled" and model is not None and not model.is_moe:
+        yield error("actor.router_replay.mode", f"router replay {mode} needs a MoE model, but "
+                    f"{model.model_type} has no routed experts",
+                    "set actor.router_replay.mode=disabled")
+    if mode == "R3" and not cfg.rollout.enable_return_routed_experts:
+        yield error(("actor.router_replay.mode", "rollout.enable_return_routed_experts"),
+                    "R3 replays the routes returned by the engines, which are told not to return "
+                    "them", "set rollout.enable_return_routed_experts=true (or leave it unset)")
+    if cfg.rollout.enable_return_routed_experts and model is not None and not model.is_moe:
+        yield warning("rollout.enable_return_routed_experts", "the model has no routed experts "
+                      "to return", "set rollout.enable_return_routed_experts=false")
+
+
+def check_training_safety(ctx: Context) -> Iterator[Problem]:
+    """Gradient clipping off invites the NaN-after-some-steps failure (T5)."""
+    if ctx.cfg.actor.grad_clip == 0:
+        yield warning("actor.grad_clip", "gradient clipping is off", "set actor.grad_clip=1.0")
+
+
+def check_validation_data(ctx: Context) -> Iterator[Problem]:
+    """Validation every N steps needs validation files."""
+    if ctx.cfg.trainer.val_every > 0 and not ctx.cfg.data.val_files:
+        yield error(("trainer.val_every", "data.val_files"), "validation is scheduled but there "
+                    "are no validation files", "add data.val_files or set trainer.val_every=0")
+
+
+def check_optional_packages(ctx: Context) -> Iterator[Problem]:
+    """Loggers and the reward function must be importable before workers start."""
+    for logger, module in (("wandb", "wandb"), ("tensorboard", "tensorboard")):
+        if logger in ctx.cfg.trainer.loggers and importlib.util.find_spec(module) is None:
+            yield error("trainer.loggers", f"the {logger} logger is requested but {module} is not "
+                        "installed",
+                        f"pip install {module}, or remove {logger} from trainer.loggers")
+    function = ctx.cfg.reward.function
+    if function:
+        module = function.rsplit(":", 1)[0]
+        if module.endswith(".py"):
+            if not Path(module).is_file():
+                yield error("reward.function", f"file {module!r} does not exist", "check the "
+                            "path (relative paths are taken from the working directory)")
+            return
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            yield error("reward.function", f"module {module!r} cannot be found", "check the name "
+                        "and that its directory is on PYTHONPATH")
+
+
+def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
+    """(settings, ignored?, what turns them on) for options that only act with another one."""
+    alg, sched_off = cfg.algorithm, cfg.scheduler.mode != "fully_async"
+    full_rc = cfg.actor.recompute.granularity != "full"
+    return [
+        ("actor.ppo_max_token_len_per_gpu", not cfg.actor.use_dynamic_bsz,
+         "set actor.use_dynamic_bsz=true"),
+        ("actor.kl_loss_coef", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
+        ("actor.kl_loss_type", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
+        ("actor.recompute.method", full_rc, "set actor.recompute.granularity=full"),
+        ("actor.recompute.num_layers", full_rc, "set actor.recompute.granularity=full"),
+        ("algorithm.kl_ctrl", not alg.use_kl_in_reward, "set algorithm.use_kl_in_reward=true"),
+        ("algorithm.kl_penalty", not alg.use_kl_in_reward, "set algorithm.use_kl_in_reward=true"),
+        ("algorithm.lam", alg.adv_estimator != "gae", "set algorithm.adv_estimator=gae"),
+        ("algorithm.norm_adv_by_std_in_grpo", alg.adv_estimator != "grpo",
+         "set algorithm.adv_estimator=grpo"),
+        ("algorithm.filter_groups.metric", not alg.filter_groups.enable,
+         "set algorithm.filter_groups.enable=true"),
+        ("algorithm.filter_groups.max_num_gen_batches", not alg.filter_groups.enable,
+         "set algorithm.filter_groups.enable=true"),
+        ("algorithm.rollout_correction.rollout_is_threshold",
+         alg.rollout_correction.rollout_is is None, "set algorithm.rollout_correction.rollout_is"),
+        ("algorithm.rollout_correction.rollout_rs_threshold",
+         alg.rollout_correction.rollout_rs is None, "set algorithm.rollout_correction.rollout_rs"),
+        ("scheduler.staleness_threshold", sched_off, "set scheduler.mode=fully_async"),
+        ("scheduler.trigger_parameter_sync_step", sched_off, "set scheduler.mode=fully_async"),
+        ("scheduler.partial_rollout", sched_off, "set scheduler.mode=fully_async"),
+        ("scheduler.max_queue_length", sched_off, "set scheduler.mode=fully_async"),
+        ("trainer.wandb_proxy", "wandb" not in cfg.trainer.loggers, "add wandb to trainer.loggers"),
+        ("ref", not cfg.ref.enabled, "set actor.use_kl_loss=true or ref.enabled=true"),
+        ("critic", not cfg.critic.enabled, "set algorithm.adv_estimator=gae"),
+    ]
+
+
+def check_settings_without_effect(ctx: Context) -> Iterator[Problem]:
+    """Warn about values the user set that nothing will read in this configuration (S6)."""
+    user_set = [p for p, origin in ctx.sources.items() if origin != "derived"]
+    for setting, ignored, enable in _ignored_settings(ctx.cfg):
+        hits = tuple(p for p in user_set if (p == setting or p.startswith(setting + "."))
+                     and p not in ("ref.enabled", "critic.enabled"))
+        if ignored and hits:
+            yield warning(hits, "set but has no effect in this configuration",
+                          f"{enable} to use it, or remove it")
+
+
+RULES: tuple[Rule, ...] = (
+    check_model_dir, check_data_files, check_other_paths,
+    check_mini_batch_divides_train_batch, check_micro_batch_sizes_exclusive,
+    check_global_micro_batch_splits_over_dp, check_mini_batch_splits_over_dp,
+    check_micro_batch_divides_mini_batch, check_dynamic_bsz_token_budget,
+    check_critic_batch_split,
+    *LAYOUT_RULES,
+    check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
+    check_device_settings, check_offload_param_and_optimizer, check_group_size,
+    check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
+    check_rollout_correction, check_router_replay, check_training_safety,
+    check_validation_data, check_optional_packages, check_settings_without_effect,
+)
+
+
+def file_problems(cfg: RunConfig, allow_missing_files: bool = False) -> list[Problem]:
+    """Only the file checks (model dir, data files, other paths), e.g. to run on every node."""
+    ctx = build_context(cfg, allow_missing_files=allow_missing_files)
+    return [replace(p, rule=rule.__name__)
+            for rule in (check_model_dir, check_data_files, check_other_paths) for p in rule(ctx)]
+
+
+def build_context(cfg: RunConfig, model: ModelInfo | None = None, *,
+                  sources: dict[str, str] | None = None, allow_missing_files: bool = False,
+                  read_model: bool = True) -> Context:
+    """The validation context: reads the model's config.json unless ``model`` is given."""
+    model_error = None
+    if model is None and read_model:
+        try:
+            model = load_model_info(cfg.model.path)
+        except ModelInfoError as err:
+            model_error = str(err)
+    return Context(cfg=cfg, sizes=derive_sizes(cfg, model), model=model, model_error=model_error,
+                   sources=dict(sources or {}), allow_missing_files=allow_missing_files)
+
+
+def validate_config(cfg: RunConfig, model: ModelInfo | None = None, *,
+                    sources: dict[str, str] | None = None, allow_missing_files: bool = False,
+                    read_model: bool = True) -> list[Problem]:
+    """Run every rule on ``cfg``; errors first, then warnings, each in rule order.
+
+    ``model`` defaults to ``model.path``'s config.json. ``sources`` (from the loader) enables
+    the warnings about settings without effect. ``allow_missing_files`` turns a missing model
+    directory or data file into a warning (for configs whose files a later step creates).
+    """
+    return run_rules(build_context(cfg, model, sources=sources,
+                                   allow_missing_files=allow_missing_files, read_model=read_model))
+
+
+def run_rules(ctx: Context) -> list[Problem]:
+    """Every rule on a built context; errors first, then warnings, each in rule order."""
+    problems = [replace(p, rule=rule.__name__) for rule in RULES for p in rule(ctx)]
+    return [p for p in problems if p.is_error] + [p for p in problems if not p.is_error]

@@ -1,0 +1,137 @@
+"""``megarl config show|validate``, the shipped configs, and the generated field table."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megarl.config import load_config, load_config_dict, validate_config
+from megarl.config.cli import show_main, validate_main
+from megarl.config.docs import fields_table
+from megarl.config.loader import schema_fields
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+TINY = REPO / "configs" / "tiny-moe-cpu.yaml"
+
+
+@pytest.fixture
+def run_files(tmp_path: Path, tiny_moe_dir: Path) -> list[str]:
+    """Overrides pointing the demo config at a real tiny model and real data files."""
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.write_bytes(b"")
+    val.write_bytes(b"")
+    return [f"model.path={tiny_moe_dir}", f"data.train_files=[{train}]",
+            f"data.val_files=[{val}]"]
+
+
+def test_demo_config_validates_against_the_tiny_model(run_files, capsys):
+    assert validate_main([str(TINY), *run_files]) == 0
+    assert capsys.readouterr().out == "OK\n"
+
+
+def test_demo_config_before_the_demo_ran(tmp_path, capsys):
+    """Model and data do not exist yet: errors, or warnings with --allow-missing-files."""
+    missing = [f"model.path={tmp_path}/model", f"data.train_files=[{tmp_path}/t.parquet]",
+               f"data.val_files=[{tmp_path}/v.parquet]"]
+    assert validate_main([str(TINY), *missing]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"model.path: model directory {tmp_path}/model does not exist")
+    assert len(out) == 3
+    assert validate_main([str(TINY), *missing, "--allow-missing-files"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "OK" and all(line.startswith("warning: ") for line in out[1:])
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.name for p in SHIPPED])
+def test_shipped_configs_load_and_have_no_errors_but_missing_files(path):
+    cfg, sources = load_config(path)
+    problems = validate_config(cfg, sources=sources, allow_missing_files=True)
+    assert [p.line() for p in problems if p.is_error] == []
+
+
+def test_show_marks_sources_and_prints_sizes(run_files, capsys):
+    assert show_main([str(TINY), *run_files, "rollout.n=8"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert "  n: 8  # from override" in lines
+    assert f"  backend: local  # from {TINY}" in lines
+    assert "  top_p: 1.0" in lines  # a default: no mark
+    assert "  enabled: false  # derived" in lines
+    assert "#   sequences per step        8 prompts x 8 samples = 64" in lines
+    assert "#   sequences per DP rank     32" in lines
+    assert "#   train pool                2 processes: actor tp 1 x pp 1 x cp 1 x dp 2 " \
+           "(experts: etp 1 x ep 2 x expert-dp 1 per stage)" in lines
+    assert "# warnings" not in out and "# errors" not in out
+
+
+def test_show_output_is_a_loadable_config(run_files, capsys):
+    show_main([str(TINY), *run_files, "actor.optim.lr=3e-5"])
+    shown = yaml.safe_load(capsys.readouterr().out)
+    original, _ = load_config(TINY, [*run_files, "actor.optim.lr=3e-5"])
+    again, _ = load_config_dict(shown)
+    assert again == original
+
+
+def test_show_lists_problems_and_still_exits_0(run_files, capsys):
+    assert show_main([str(TINY), *run_files, "actor.ppo_micro_batch_size_per_gpu=3",
+                      "actor.grad_clip=0"]) == 0
+    out = capsys.readouterr().out
+    assert "# errors (1)\n#   actor.ppo_micro_batch_size_per_gpu, actor.ppo_mini_batch_size" in out
+    assert ("not a multiple of the micro-batch of 3 — set "
+            "actor.ppo_micro_batch_size_per_gpu=2") in out
+    assert "# warnings (1)\n#   actor.grad_clip: gradient clipping is off" in out
+
+
+def test_validate_reports_every_problem_then_warnings(run_files, capsys):
+    assert validate_main([str(TINY), *run_files, "data.train_batch_size=6",
+                          "rollout.n=1", "actor.grad_clip=0"]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("data.train_batch_size, actor.ppo_mini_batch_size: train_batch_size "
+                             "6 is not a multiple of ppo_mini_batch_size 4 — set ")
+    assert any(line.startswith("rollout.n, algorithm.adv_estimator:") for line in out[1:-1])
+    assert out[-1].startswith("warning: actor.grad_clip:")
+    assert "OK" not in out
+
+
+def test_unloadable_config_exits_2_with_lines(capsys):
+    assert validate_main([str(TINY), "actor.ppo_epoch=2"]) == 2
+    assert capsys.readouterr().out == ("actor.ppo_epoch: unknown key (in override) — did you "
+                                       "mean actor.ppo_epochs?\n")
+    assert show_main(["/nonexistent.yaml"]) == 2
+
+
+def test_usage_error_is_exit_2(capsys):
+    assert validate_main([]) == 2
+    assert "usage: megarl config validate" in capsys.readouterr().err
+
+
+def test_megarl_command_dispatches_to_config(run_files):
+    out = subprocess.run([sys.executable, "-m", "megarl.cli", "config", "validate", str(TINY),
+                          *run_files], check=False, capture_output=True, text=True, timeout=60,
+                         cwd=REPO)
+    assert (out.returncode, out.stdout) == (0, "OK\n"), out.stderr
+
+
+def test_fields_table_lists_every_leaf_field():
+    table = fields_table()
+    lines = table.splitlines()
+    assert lines[0] == "| field | type | default | description |"
+    assert "| `actor.parallel.tp` | int | `1` | tensor-model-parallel size" in table
+    assert "| `rollout.max_num_seqs` | int \\| 'auto' | `auto` |" in table
+    assert "| `model.path` | str | `required` |" in table
+    assert "| `resources.rollout_pool` | section \\| null | `null` |" in table
+    assert "| `critic.optim` | section | `{lr: 1.0e-05, weight_decay: 0.01" in table
+    assert "same fields as `actor.optim`" in table and "`critic.optim.lr`" not in table
+    assert "| `ref.parallel` | section \\| null | `null` |" in table
+    assert "same fields as `actor.parallel`" in table and "`ref.parallel.tp`" not in table
+    leaves = [p for p in schema_fields() if not any(
+        q.startswith(p + ".") for q in schema_fields())]
+    listed = [p for p in leaves if f"| `{p}` |" in table]
+    # not repeated: ref/critic parallel (7 each), critic optim (6) and offload (3), rollout_pool (2)
+    assert len(listed) == len(leaves) - 7 - 7 - 6 - 3 - 2
+    assert fields_table(["ray"]).count("\n") == 2 + 3

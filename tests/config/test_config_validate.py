@@ -1,0 +1,297 @@
+"""Every validation rule: the base config is clean; breaking one thing makes the rule report a
+line that names the field(s) and a fix with a valid nearby value (PITFALLS S3, B2-B5, T7)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from config_archs import DEEPSEEK_V3, QWEN2_1_5B, QWEN3_30B_A3B
+
+from megarl.config import load_config_dict, validate_config
+from megarl.config.model_info import load_model_info
+from megarl.config.validate import RULES
+
+DENSE_4K = dict(QWEN2_1_5B, max_position_embeddings=4096)
+KV6 = dict(QWEN2_1_5B, num_attention_heads=24, num_key_value_heads=6)
+QWEN_60E = dict(QWEN3_30B_A3B, num_experts=60)
+QWEN_30L = dict(QWEN3_30B_A3B, num_hidden_layers=30)
+
+# (rule, overrides, architecture, fields the line must name, text of the fix, severity)
+CASES = [
+    # B2: batch sizes
+    ("check_mini_batch_divides_train_batch", ["data.train_batch_size=8"], None,
+     ["data.train_batch_size", "actor.ppo_mini_batch_size"], "actor.ppo_mini_batch_size=8",
+     "error"),
+    ("check_mini_batch_divides_train_batch", ["data.train_batch_size=60"], None,
+     ["data.train_batch_size", "actor.ppo_mini_batch_size"],
+     "actor.ppo_mini_batch_size=15 or data.train_batch_size=64", "error"),
+    ("check_micro_batch_sizes_exclusive", ["actor.ppo_micro_batch_size=32"], None,
+     ["actor.ppo_micro_batch_size", "actor.ppo_micro_batch_size_per_gpu"],
+     "remove actor.ppo_micro_batch_size", "error"),
+    ("check_micro_batch_sizes_exclusive", ["actor.ppo_micro_batch_size_per_gpu=null"], None,
+     ["actor.ppo_micro_batch_size_per_gpu"], "actor.ppo_micro_batch_size_per_gpu=4", "error"),
+    ("check_global_micro_batch_splits_over_dp",
+     ["actor.ppo_micro_batch_size_per_gpu=null", "actor.ppo_micro_batch_size=12"], None,
+     ["actor.ppo_micro_batch_size"], "actor.ppo_micro_batch_size=16", "error"),
+    ("check_mini_batch_splits_over_dp", ["rollout.n=3", "actor.ppo_mini_batch_size=4"], None,
+     ["actor.ppo_mini_batch_size", "rollout.n"], "actor.ppo_mini_batch_size=8", "error"),
+    ("check_micro_batch_divides_mini_batch", ["actor.ppo_micro_batch_size_per_gpu=5"], None,
+     ["actor.ppo_micro_batch_size_per_gpu", "actor.ppo_mini_batch_size"],
+     "actor.ppo_micro_batch_size_per_gpu=4", "error"),
+    ("check_dynamic_bsz_token_budget",
+     ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=2048"], None,
+     ["actor.ppo_max_token_len_per_gpu", "data.max_response_length"],
+     "actor.ppo_max_token_len_per_gpu=3072", "error"),
+    ("check_dynamic_bsz_token_budget", ["actor.use_dynamic_bsz=true",
+     "actor.ppo_max_token_len_per_gpu=1024", "actor.parallel.cp=2"], None,
+     ["actor.ppo_max_token_len_per_gpu"], "actor.ppo_max_token_len_per_gpu=1536", "error"),
+    ("check_critic_batch_split", ["algorithm.adv_estimator=gae",
+     "critic.ppo_micro_batch_size_per_gpu=5"], None,
+     ["critic.ppo_micro_batch_size_per_gpu"], "critic.ppo_micro_batch_size_per_gpu=4", "error"),
+    # B3: layout against the pool and the model
+    ("check_layout_fills_train_pool", ["actor.parallel.tp=3"], None,
+     ["actor.parallel.tp", "resources.train_pool"], "actor.parallel.tp=2", "error"),
+    ("check_expert_layout", ["actor.parallel.ep=16"], None,
+     ["actor.parallel.ep", "actor.parallel.etp"], "actor.parallel.ep=8", "error"),
+    ("check_expert_layout", ["actor.parallel.etp=2"], None,
+     ["actor.parallel.ep", "actor.parallel.etp"], "actor.parallel.ep=4", "error"),
+    ("check_experts_divisible_by_ep", [], QWEN_60E, ["actor.parallel.ep"],
+     "actor.parallel.ep=4", "error"),
+    ("check_experts_divisible_by_ep", ["actor.parallel.ep=2"], QWEN2_1_5B, ["actor.parallel.ep"],
+     "actor.parallel.ep=1", "error"),
+    ("check_heads_divisible_by_tp", ["actor.parallel.tp=8", "actor.parallel.ep=1"], QWEN2_1_5B,
+     ["actor.parallel.tp"], "actor.parallel.tp=4", "error"),
+    ("check_kv_heads_vs_tp", ["actor.parallel.tp=4", "actor.parallel.ep=1"], KV6,
+     ["actor.parallel.tp"], "actor.parallel.tp=2", "error"),
+    ("check_ffn_divisible", ["actor.parallel.etp=5"], None, ["actor.parallel.etp"],
+     "actor.parallel.etp=4", "error"),
+    ("check_layers_divisible_by_pp", ["actor.parallel.pp=4", "actor.parallel.ep=2"], QWEN_30L,
+     ["actor.parallel.pp"], "actor.parallel.pp=2", "error"),
+    ("check_layers_divisible_by_pp", ["actor.parallel.pp=2", "actor.parallel.vpp=5",
+     "actor.parallel.ep=4"], None, ["actor.parallel.vpp"], "actor.parallel.vpp=4", "error"),
+    ("check_layers_divisible_by_pp", ["actor.parallel.vpp=2"], None,
+     ["actor.parallel.vpp", "actor.parallel.pp"], "remove actor.parallel.vpp", "error"),
+    ("check_moe_tp_sequence_parallel", ["actor.parallel.tp=2", "actor.parallel.ep=4",
+     "actor.parallel.sequence_parallel=false"], None, ["actor.parallel.sequence_parallel"],
+     "actor.parallel.sequence_parallel=true", "error"),
+    ("check_recompute_layers", ["actor.recompute.granularity=full",
+     "actor.recompute.num_layers=30", "actor.parallel.pp=2", "actor.parallel.ep=4"], None,
+     ["actor.recompute.num_layers"], "actor.recompute.num_layers=24", "error"),
+    ("check_sequence_fits_positions", ["data.max_prompt_length=4096"], DENSE_4K,
+     ["data.max_prompt_length", "data.max_response_length"], "<= 4096", "warning"),
+    # B5: context parallelism
+    ("check_context_parallel_sequence_length", ["actor.parallel.cp=2",
+     "data.max_prompt_length=1000", "data.max_response_length=2047", "actor.parallel.ep=4"], None,
+     ["actor.parallel.cp", "data.max_response_length"], "data.max_response_length=2048", "error"),
+    ("check_layout_fills_train_pool", ["actor.parallel.cp=3"], None, ["actor.parallel.cp"],
+     "use actor.parallel.cp=2", "error"),
+    # B4: rollout engines
+    ("check_engines_fill_rollout_pool", ["rollout.gpus_per_engine=3"], None,
+     ["rollout.gpus_per_engine", "resources.train_pool"], "rollout.gpus_per_engine=2", "error"),
+    ("check_engines_fill_rollout_pool", ["rollout.gpus_per_engine=16",
+     "resources.train_pool.nnodes=2"], None, ["rollout.gpus_per_engine"],
+     "rollout.gpus_per_engine <= 8", "warning"),
+    ("check_engine_heads", ["rollout.gpus_per_engine=8", "actor.parallel.ep=1"], QWEN2_1_5B,
+     ["rollout.gpus_per_engine"], "rollout.gpus_per_engine=4", "error"),
+    ("check_engine_memory", ["resources.gpu_memory_gb=16"], None,
+     ["rollout.gpus_per_engine"], "rollout.gpus_per_engine=8", "error"),
+    ("check_engine_concurrency", ["rollout.max_num_seqs=32"], None, ["rollout.max_num_seqs"],
+     "rollout.max_num_seqs=64", "warning"),
+    # S3: files
+    ("check_data_files", ["data.val_files=[/nonexistent/val.parquet]"], None, ["data.val_files"],
+     "check the path", "error"),
+    ("check_other_paths", ["trainer.resume=/nonexistent/ckpt"], None, ["trainer.resume"],
+     "check the path", "error"),
+    # pools, schedulers, transports, devices
+    ("check_pools_and_colocation", ["resources.rollout_pool.gpus_per_node=8"], None,
+     ["rollout.colocate", "resources.rollout_pool"], "rollout.colocate=false", "error"),
+    ("check_pools_and_colocation", ["rollout.colocate=false"], None,
+     ["rollout.colocate", "resources.rollout_pool"], "add resources.rollout_pool", "error"),
+    ("check_scheduler_needs_separate_pools", ["scheduler.mode=fully_async"], None,
+     ["scheduler.mode", "rollout.colocate"], "rollout.colocate=false", "error"),
+    ("check_weight_sync_backend", ["checkpoint_engine.backend=ipc", "rollout.colocate=false",
+     "resources.rollout_pool.gpus_per_node=8"], None,
+     ["checkpoint_engine.backend", "rollout.colocate"], "checkpoint_engine.backend=nccl", "error"),
+    ("check_device_settings", ["resources.device=cpu"], None,
+     ["rollout.backend", "resources.device"], "rollout.backend=local", "error"),
+    ("check_device_settings", ["resources.device=cpu", "rollout.backend=local",
+     "ray.num_cpus=2"], None, ["ray.num_cpus"], "ray.num_cpus=8", "warning"),
+    # T7 and algorithm options
+    ("check_offload_param_and_optimizer", ["actor.offload.param_offload=true",
+     "actor.offload.optimizer_offload=true"], None,
+     ["actor.offload.param_offload", "actor.offload.optimizer_offload"],
+     "actor.offload.optimizer_offload=true alone", "warning"),
+    ("check_group_size", ["rollout.n=1"], None, ["rollout.n", "algorithm.adv_estimator"],
+     "rollout.n=8", "error"),
+    ("check_critic_for_gae", ["algorithm.adv_estimator=gae", "critic.enabled=false"], None,
+     ["algorithm.adv_estimator", "critic.enabled"], "critic.enabled=true", "error"),
+    ("check_critic_for_gae", ["critic.enabled=true"], None, ["critic.enabled"],
+     "leave critic.enabled unset", "warning"),
+    ("check_reference_for_kl", ["actor.use_kl_loss=true", "ref.enabled=false"], None,
+     ["actor.use_kl_loss", "ref.enabled"], "ref.enabled=true", "error"),
+    ("check_reference_for_kl", ["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"],
+     None, ["actor.use_kl_loss", "algorithm.use_kl_in_reward"], "keep one", "warning"),
+    ("check_policy_loss_settings", ["actor.policy_loss.loss_mode=gspo"], None,
+     ["actor.loss_agg_mode"], "actor.loss_agg_mode=seq-mean-token-mean", "warning"),
+    ("check_rollout_correction", ["algorithm.rollout_correction.rollout_rs=seq_mean_k3"], None,
+     ["algorithm.rollout_correction.rollout_rs_threshold"],
+     "algorithm.rollout_correction.rollout_rs_threshold (e.g. 0.01)", "error"),
+    ("check_rollout_correction", ["algorithm.rollout_correction.rollout_is=token",
+     "algorithm.rollout_correction.rollout_is_threshold=0.9"], None,
+     ["algorithm.rollout_correction.rollout_is_threshold"], "rollout_is_threshold=2.0", "warning"),
+    ("check_router_replay", ["actor.router_replay.mode=R3", "actor.parallel.ep=1"], QWEN2_1_5B,
+     ["actor.router_replay.mode"], "actor.router_replay.mode=disabled", "error"),
+    ("check_router_replay", ["actor.router_replay.mode=R3",
+     "rollout.enable_return_routed_experts=false"], None,
+     ["actor.router_replay.mode", "rollout.enable_return_routed_experts"],
+     "rollout.enable_return_routed_experts=true", "error"),
+    ("check_training_safety", ["actor.grad_clip=0"], None, ["actor.grad_clip"],
+     "actor.grad_clip=1.0", "warning"),
+    ("check_validation_data", ["trainer.val_every=5"], None,
+     ["trainer.val_every", "data.val_files"], "add data.val_files", "error"),
+    ("check_optional_packages", ["reward.function=no_such_module_42:score"], None,
+     ["reward.function"], "PYTHONPATH", "error"),
+    ("check_settings_without_effect", ["actor.ppo_max_token_len_per_gpu=8192"], None,
+     ["actor.ppo_max_token_len_per_gpu"], "set actor.use_dynamic_bsz=true to use it", "warning"),
+    ("check_settings_without_effect", ["scheduler.staleness_threshold=0.5"], None,
+     ["scheduler.staleness_threshold"], "scheduler.mode=fully_async", "warning"),
+]
+
+
+def test_base_config_is_clean(checker):
+    assert [p.line() for p in checker.problems()] == []
+
+
+@pytest.mark.parametrize("rule,overrides,arch,fields,fix,severity", CASES,
+                         ids=[f"{c[0]}-{'+'.join(c[1]) or 'model'}" for c in CASES])
+def test_rule_names_fields_and_fix(checker, rule, overrides, arch, fields, fix, severity):
+    problem = checker.find(rule, *overrides, model=arch, field=fields[0])
+    line = problem.line()
+    for field in fields:
+        assert field in problem.fields, line
+    assert " — " in line and fix in line.split(" — ", 1)[1], line
+    assert problem.severity == severity, line
+
+
+def test_every_rule_has_a_case():
+    covered = {case[0] for case in CASES} | {"check_model_dir", "check_vocab_and_tokenizer"}
+    assert {rule.__name__ for rule in RULES} <= covered
+
+
+def test_suggested_fixes_are_valid(checker):
+    """Applying the suggested value removes the problem (the fix is not just any number)."""
+    for overrides, fix in ((["data.train_batch_size=60"], ["actor.ppo_mini_batch_size=15",
+                                                            "actor.ppo_micro_batch_size_per_gpu=5"]),
+                           (["actor.parallel.tp=3"], ["actor.parallel.tp=2",
+                                                       "actor.parallel.ep=4"]),
+                           (["actor.ppo_micro_batch_size_per_gpu=5"],
+                            ["actor.ppo_micro_batch_size_per_gpu=4"])):
+        assert checker.problems(*overrides), overrides
+        assert checker.problems(*overrides, *fix) == [], (overrides, fix)
+
+
+def test_b3_example_tp3_on_6_gpus_is_rejected_against_the_model(checker):
+    """PITFALLS B3: tp=3 on 6 GPUs with a batch of 60 over 2 engines."""
+    problems = checker.problems(
+        "resources.train_pool.gpus_per_node=6", "actor.parallel.tp=3", "actor.parallel.ep=1",
+        "data.train_batch_size=60", "rollout.n=12", "actor.ppo_mini_batch_size=15",
+        "actor.ppo_micro_batch_size_per_gpu=3", "rollout.gpus_per_engine=3")
+    rules = {p.rule for p in problems if p.is_error}
+    assert rules == {"check_heads_divisible_by_tp", "check_kv_heads_vs_tp", "check_engine_heads"}
+    heads = next(p for p in problems if p.rule == "check_heads_divisible_by_tp")
+    assert "32 attention heads" in heads.line() and "actor.parallel.tp=2" in heads.line()
+
+
+def test_missing_model_dir_is_an_error_or_with_allow_a_warning(tmp_path, data_file):
+    from conftest import base_dict
+
+    cfg, sources = load_config_dict(base_dict(tmp_path, data_file))
+    problems = validate_config(cfg, sources=sources)
+    assert [p.rule for p in problems] == ["check_model_dir"]
+    assert problems[0].is_error and "model.path" in problems[0].fields
+    assert f"{tmp_path / 'model'} does not exist" in problems[0].line()
+    relaxed = validate_config(cfg, sources=sources, allow_missing_files=True)
+    assert [p.severity for p in relaxed] == ["warning"]
+    assert "architecture were skipped" in relaxed[0].line()
+
+
+def test_model_dir_without_config_json_is_always_an_error(tmp_path, data_file):
+    from conftest import base_dict
+
+    (tmp_path / "model").mkdir()
+    cfg, _ = load_config_dict(base_dict(tmp_path, data_file))
+    problems = validate_config(cfg, allow_missing_files=True)
+    assert [(p.rule, p.severity) for p in problems] == [("check_model_dir", "error")]
+    assert "has no config.json" in problems[0].line()
+
+
+def test_missing_data_file_errors_and_allow_demotes(checker):
+    strict = checker.find("check_data_files", "data.train_files=/nope/train.parquet")
+    assert strict.is_error and "/nope/train.parquet does not exist" in strict.line()
+    relaxed = checker.find("check_data_files", "data.train_files=/nope/train.parquet",
+                           allow_missing_files=True)
+    assert relaxed.severity == "warning"
+
+
+def test_tokenizer_larger_than_vocab_is_rejected(checker, tiny_moe_dir, tmp_path):
+    model_dir = tmp_path / "small_vocab"
+    model_dir.mkdir()
+    shutil.copy(tiny_moe_dir / "tokenizer.json", model_dir / "tokenizer.json")
+    config = json.loads((tiny_moe_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(dict(config, vocab_size=64)))
+    problem = checker.find("check_vocab_and_tokenizer", f"model.path={model_dir}",
+                           "actor.parallel.ep=4", model=load_model_info(model_dir))
+    assert problem.fields == ("model.tokenizer_path", "model.path")
+    assert "token ids up to 90" in problem.line() and "vocab_size is 64" in problem.line()
+
+
+def test_r3_turns_on_routed_experts_by_itself(checker):
+    assert checker.problems("actor.router_replay.mode=R3") == []
+
+
+def test_deepseek_v3_layout(checker):
+    """61 layers (3 dense) and 256 experts on 2 x 8 GPUs: pp must divide 61, so pp=1 only."""
+    assert checker.problems("resources.train_pool.nnodes=2", "actor.parallel.ep=16",
+                            "actor.parallel.tp=1", model=DEEPSEEK_V3) == []
+    problem = checker.find("check_layers_divisible_by_pp", "actor.parallel.pp=2",
+                           model=DEEPSEEK_V3)
+    assert "61 layers" in problem.line() and "actor.parallel.pp=1" in problem.line()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_logger_without_wandb_is_rejected(checker):
+    problem = checker.find("check_optional_packages", "trainer.loggers=[console, wandb]")
+    assert "pip install wandb" in problem.line()
+
+
+def test_errors_come_before_warnings(checker):
+    problems = checker.problems("actor.grad_clip=0", "data.train_batch_size=60")
+    assert [p.severity for p in problems] == ["error", "warning"]
+
+
+def test_problem_line_format(checker):
+    line = checker.find("check_group_size", "rollout.n=1").line()
+    fields, rest = line.split(": ", 1)
+    assert fields == "rollout.n, algorithm.adv_estimator"
+    what, fix = rest.split(" — ")
+    assert "advantage 0" in what and fix.startswith("set rollout.n=8")
+
+
+def test_files_are_read_from_real_paths(checker, tmp_path: Path):
+    val = tmp_path / "val.jsonl"
+    val.write_text("{}\n")
+    assert checker.problems(f"data.val_files=[{val}]") == []
+
+
+def test_file_problems_checks_only_files(tmp_path, data_file):
+    from conftest import base_dict
+
+    from megarl.config.validate import file_problems
+
+    cfg, _ = load_config_dict(base_dict(tmp_path, data_file), ["data.train_batch_size=60",
+                                                               "data.val_files=[/nope.parquet]"])
+    assert [p.rule for p in file_problems(cfg)] == ["check_model_dir", "check_data_files"]
