@@ -1,10 +1,11 @@
 """``megarl config show|validate CONFIG [a.b.c=value ...]`` (called by megarl/cli.py).
 
 ``show`` prints the resolved config with the source of every non-default value, the derived
-sizes and the problems found; it exits 0 whenever the config loads. ``validate`` exits 0 and
-prints ``OK`` (and any warnings) when the run may start, or exits 2 with one line per problem.
-``--allow-missing-files`` turns a missing model directory or data file into a warning, for
-configs whose files a later step creates (the demo builds its model and data first).
+sizes, the parameter and memory estimates and the problems found; it exits 0 whenever the config
+loads. ``validate`` exits 0 and prints ``OK`` (and any warnings) when the run may start, or exits
+2 with one line per problem. ``--allow-missing-files`` turns a missing model directory, data file
+or checkpoint (a model card without weights) into a warning, for configs whose files a later step
+creates (the demo builds its model and data first) or that are checked before the download.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megarl.config.estimates import format_estimates
 from megarl.config.loader import ConfigError, load_config
 from megarl.config.render import render_report
 from megarl.config.validate import build_context, run_rules, validate_config
@@ -27,14 +29,15 @@ def _parser(action: str, what: str) -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", metavar="a.b.c=value",
                         help="overrides; they win over the file, which wins over the defaults")
     parser.add_argument("--allow-missing-files", action="store_true",
-                        help="report a missing model directory or data file as a warning")
+                        help="report a missing model directory, data file or checkpoint (a "
+                        "model card) as a warning")
     return parser
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace | int:
     """Parse ``argv``; an int is the exit code argparse chose (help or usage error)."""
     try:
-        return parser.parse_args(argv)
+        return parser.parse_intermixed_args(argv)
     except SystemExit as stop:
         return int(stop.code or 0)
 
@@ -53,7 +56,8 @@ def show_main(argv: list[str]) -> int:
     ctx = build_context(cfg, sources=sources, allow_missing_files=args.allow_missing_files)
     overrides = f" + {len(args.overrides)} override(s)" if args.overrides else ""
     title = f"megarl config show: {args.config}{overrides}"
-    sys.stdout.write(render_report(cfg, sources, ctx.sizes, run_rules(ctx), title))
+    estimates = format_estimates(ctx.cfg, ctx.model, ctx.sizes)
+    sys.stdout.write(render_report(cfg, sources, ctx.sizes, run_rules(ctx), title, estimates))
     return EXIT_OK
 
 

@@ -20,6 +20,8 @@ HEADS_KEYS = ("num_attention_heads", "n_head")
 MAX_POS_KEYS = ("max_position_embeddings", "seq_length", "max_sequence_length")
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# Checkpoint files of an HF model directory; a directory with config.json only is a model card.
+WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 
 
 class ModelInfoError(ValueError):
@@ -48,6 +50,9 @@ class ModelInfo:
     dense_layers: tuple[int, ...] = ()
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
     @property
     def is_moe(self) -> bool:
@@ -62,24 +67,62 @@ class ModelInfo:
             count += 1
         return count
 
-    def param_count(self) -> int:
-        """Approximate number of parameters (embeddings, attention, MLP/experts; norms ignored)."""
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek-V2/V3: a compressed KV)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def moe_layers(self) -> int:
+        """How many layers hold routed experts."""
+        return self.num_layers - len(self.dense_layers) if self.is_moe else 0
+
+    def attention_params(self) -> int:
+        """Weights of one attention block (GQA: q, k, v, o; MLA: down/up projections and o)."""
+        h, heads = self.hidden_size, self.num_attention_heads
+        if not self.is_mla:
+            return h * self.head_dim * (2 * heads + 2 * self.num_kv_heads)
+        qk_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        q = (h * self.q_lora_rank + self.q_lora_rank * heads * qk_dim if self.q_lora_rank
+             else h * heads * qk_dim)
+        kv_down = h * (self.kv_lora_rank + self.qk_rope_head_dim)
+        kv_up = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv_down + kv_up + heads * self.v_head_dim * h
+
+    def embedding_params(self) -> int:
+        """Input embedding plus the output layer (one matrix when they are tied)."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+
+    def expert_params(self) -> int:
+        """Weights of one routed expert (SwiGLU: gate, up, down)."""
+        return 3 * self.hidden_size * self.moe_ffn_hidden_size
+
+    def moe_layer_shared_params(self) -> int:
+        """Weights of a MoE layer that every token uses: router and shared experts."""
         h = self.hidden_size
-        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        attn = h * self.head_dim * (2 * self.num_attention_heads + 2 * self.num_kv_heads)
-        dense_mlp = 3 * h * self.ffn_hidden_size
-        if not self.is_moe:
-            return embed + self.num_layers * (attn + dense_mlp)
-        moe_mlp = (3 * h * self.moe_ffn_hidden_size * self.num_experts + h * self.num_experts
-                   + 3 * h * self.shared_expert_ffn_hidden_size)
+        return h * self.num_experts + 3 * h * self.shared_expert_ffn_hidden_size
+
+    def param_count(self) -> int:
+        """Parameters of the main model (embeddings, attention, MLP/experts; norms ignored)."""
+        return self._count(self.num_experts)
+
+    def active_param_count(self) -> int:
+        """Parameters one token passes through: as :meth:`param_count` with top_k routed experts."""
+        return self._count(self.top_k)
+
+    def _count(self, experts_per_layer: int) -> int:
+        """Embeddings + attention + dense MLPs + MoE layers with ``experts_per_layer`` experts."""
         n_dense = len(self.dense_layers)
-        return embed + self.num_layers * attn + n_dense * dense_mlp + (
-            self.num_layers - n_dense) * moe_mlp
+        dense_mlp = 3 * self.hidden_size * self.ffn_hidden_size
+        moe_mlp = (experts_per_layer * self.expert_params() + self.moe_layer_shared_params()
+                   if self.is_moe else 0)
+        return (self.embedding_params() + self.num_layers * self.attention_params()
+                + n_dense * dense_mlp + self.moe_layers * moe_mlp)
 
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:
         """KV-cache bytes one token takes on one GPU of an engine with tensor parallel ``tp``."""
         nbytes = DTYPE_BYTES[dtype]
-        if self.kv_lora_rank:  # MLA caches one latent per layer, replicated over TP
+        if self.is_mla:  # MLA caches one latent per layer, replicated over TP
             return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * nbytes
         kv_heads_per_gpu = max(1, self.num_kv_heads // tp)
         return 2 * self.num_layers * kv_heads_per_gpu * self.head_dim * nbytes
@@ -150,6 +193,9 @@ def model_info_from_dict(cfg: dict[str, Any], source: str = "config.json") -> Mo
         dense_layers=_dense_layers(cfg, num_layers, num_experts),
         kv_lora_rank=int(cfg.get("kv_lora_rank") or 0),
         qk_rope_head_dim=int(cfg.get("qk_rope_head_dim") or 0),
+        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim") or 0),
+        v_head_dim=int(cfg.get("v_head_dim") or 0),
     )
 
 
@@ -170,6 +216,18 @@ def load_model_info(path: str | Path) -> ModelInfo:
     if not isinstance(cfg, dict):
         raise ModelInfoError(f"{config_file} does not hold a JSON object")
     return model_info_from_dict(cfg, source=str(config_file))
+
+
+def weight_files(path: str | Path) -> list[Path]:
+    """The checkpoint files (safetensors / PyTorch bins) directly in ``path``; [] for a model card.
+
+    Validation and the estimates read config.json only, so a card (config.json alone) is enough
+    for them; loading the model for training or serving needs these files.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    return sorted(f for pattern in WEIGHT_PATTERNS for f in path.glob(pattern))
 
 
 def tokenizer_size(path: str | Path) -> int | None:

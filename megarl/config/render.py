@@ -50,8 +50,9 @@ def render_config(cfg: RunConfig, sources: dict[str, str]) -> str:
 
 
 def render_report(cfg: RunConfig, sources: dict[str, str], sizes: DerivedSizes,
-                  problems: list[Problem], title: str = "") -> str:
-    """Config, derived sizes, errors and warnings: what ``megarl config show`` prints."""
+                  problems: list[Problem], title: str = "",
+                  estimates: list[str] | None = None) -> str:
+    """Config, derived sizes, estimates, errors and warnings: what ``megarl config show`` prints."""
     out: list[str] = []
     if title:
         out.append(f"# {title}")
@@ -61,6 +62,10 @@ def render_report(cfg: RunConfig, sources: dict[str, str], sizes: DerivedSizes,
     out.append("")
     out.append("# derived sizes")
     out.extend(f"#   {line}" for line in format_sizes(sizes))
+    if estimates is not None:
+        out.append("# estimates (approximate, per GPU; GB = 2^30 bytes; formulas in "
+                   "megarl/config/estimates.py)")
+        out.extend(f"#   {line}" for line in estimates)
     for severity, label in (("error", "errors"), ("warning", "warnings")):
         chosen = [p for p in problems if p.severity == severity]
         if chosen:

@@ -3,7 +3,8 @@ reported at once as ``field(s): what is wrong — fix``, errors apart from warni
 
 Covers PITFALLS S3 (files readable before any worker starts), B2 (batch sizes that divide),
 T7 (param + optimizer offload) and the consistency of pools, schedulers and algorithm options
-here; B3-B5 (layout against the model's architecture) live in validate_layout.py.
+here; B3-B5 (layout against the model's architecture) live in validate_layout.py, T1 (memory
+per GPU) in estimates.py.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from megarl.config.derived import (
     nearest_divisor,
     nearest_multiple,
 )
-from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info
+from megarl.config.estimates import check_memory_fits
+from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info, weight_files
 from megarl.config.problems import Context, Problem, error, warning
 from megarl.config.schema import RunConfig
 from megarl.config.validate_layout import LAYOUT_RULES, Rule
@@ -166,6 +168,20 @@ def check_model_dir(ctx: Context) -> Iterator[Problem]:
     else:
         yield error("model.path", ctx.model_error, "point model.path at an HF model directory "
                     "(config.json + safetensors)")
+
+
+def check_model_weights(ctx: Context) -> Iterator[Problem]:
+    """A model card (config.json without weights) passes the config checks, not a training run.
+
+    The architecture checks and estimates read config.json only; loading the model needs the
+    checkpoint, so a card is reported like a missing file.
+    """
+    path = Path(ctx.cfg.model.path)
+    if (path / "config.json").is_file() and not weight_files(path):
+        yield ctx.missing("model.path", f"{path} has a config.json but no weights (*.safetensors):"
+                          " a model card — the architecture checks and estimates ran, but training"
+                          " and serving need the checkpoint", "point model.path at the HF "
+                          "checkpoint directory of this model")
 
 
 def _path_problem(ctx: Context, field: str, path: str) -> Problem | None:
@@ -454,7 +470,7 @@ def check_settings_without_effect(ctx: Context) -> Iterator[Problem]:
 
 
 RULES: tuple[Rule, ...] = (
-    check_model_dir, check_data_files, check_other_paths,
+    check_model_dir, check_model_weights, check_data_files, check_other_paths,
     check_mini_batch_divides_train_batch, check_micro_batch_sizes_exclusive,
     check_global_micro_batch_splits_over_dp, check_mini_batch_splits_over_dp,
     check_micro_batch_divides_mini_batch, check_dynamic_bsz_token_budget,
@@ -465,14 +481,16 @@ RULES: tuple[Rule, ...] = (
     check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,
+    check_memory_fits,
 )
 
 
 def file_problems(cfg: RunConfig, allow_missing_files: bool = False) -> list[Problem]:
-    """Only the file checks (model dir, data files, other paths), e.g. to run on every node."""
+    """Only the file checks (model dir and weights, data files, other paths), e.g. on every node."""
     ctx = build_context(cfg, allow_missing_files=allow_missing_files)
     return [replace(p, rule=rule.__name__)
-            for rule in (check_model_dir, check_data_files, check_other_paths) for p in rule(ctx)]
+            for rule in (check_model_dir, check_model_weights, check_data_files, check_other_paths)
+            for p in rule(ctx)]
 
 
 def build_context(cfg: RunConfig, model: ModelInfo | None = None, *,

@@ -236,11 +236,20 @@ def check_engines_fill_rollout_pool(ctx: Context) -> Iterator[Problem]:
                     f"use rollout.gpus_per_engine={nearest_divisor(gpus, per_engine)}")
     pool_cfg = ctx.cfg.resources.train_pool if ctx.cfg.rollout.colocate else (
         ctx.cfg.resources.rollout_pool)
-    if pool_cfg is not None and per_engine > pool_cfg.gpus_per_node:
+    if pool_cfg is not None and per_engine > pool_cfg.gpus_per_node and (
+            _one_node_engine_fits(ctx, pool_cfg.gpus_per_node)):
         yield warning(("rollout.gpus_per_engine", f"{pool}.gpus_per_node"), f"one engine spans "
                       f"{per_engine} GPUs but a node has {pool_cfg.gpus_per_node}: its tensor "
                       f"parallelism crosses the network", "keep rollout.gpus_per_engine <= "
                       f"{pool_cfg.gpus_per_node}")
+
+
+def _one_node_engine_fits(ctx: Context, gpus_per_node: int) -> bool:
+    """Whether an engine of one node's GPUs leaves room for KV cache (True when not known)."""
+    if ctx.model is None or ctx.cfg.resources.gpu_memory_gb is None:
+        return True
+    rollout = ctx.cfg.rollout.model_copy(update={"gpus_per_engine": gpus_per_node})
+    return bool(kv_cache_sequences(ctx.cfg.model_copy(update={"rollout": rollout}), ctx.model))
 
 
 def check_engine_heads(ctx: Context) -> Iterator[Problem]:

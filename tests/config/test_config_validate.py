@@ -159,6 +159,9 @@ CASES = [
      ["actor.ppo_max_token_len_per_gpu"], "set actor.use_dynamic_bsz=true to use it", "warning"),
     ("check_settings_without_effect", ["scheduler.staleness_threshold=0.5"], None,
      ["scheduler.staleness_threshold"], "scheduler.mode=fully_async", "warning"),
+    # T1: memory per GPU (estimates.py; numbers in test_config_estimates.py)
+    ("check_memory_fits", ["resources.gpu_memory_gb=16"], None,
+     ["resources.gpu_memory_gb", "actor.parallel.ep"], "add GPUs to the train pool", "warning"),
 ]
 
 
@@ -178,7 +181,8 @@ def test_rule_names_fields_and_fix(checker, rule, overrides, arch, fields, fix, 
 
 
 def test_every_rule_has_a_case():
-    covered = {case[0] for case in CASES} | {"check_model_dir", "check_vocab_and_tokenizer"}
+    covered = {case[0] for case in CASES} | {"check_model_dir", "check_vocab_and_tokenizer",
+                                              "check_model_weights"}  # test_config_shipped.py
     assert {rule.__name__ for rule in RULES} <= covered
 
 

@@ -1,0 +1,502 @@
+"""Size estimates of a run, printed by ``megarl config show``: the parameter counts (total and
+activated) and the memory of one GPU in each phase, with a warning when a phase needs more than
+``resources.gpu_memory_gb`` (PITFALLS T1). Approximate by design. GB = 2**30 bytes, the unit in
+which ``gpu_memory_gb`` is read.
+
+Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, E experts):
+
+* Parameters: :meth:`ModelInfo.param_count` (norms ignored, DeepSeek's MTP module excluded);
+  ``active`` counts the top_k routed experts of each MoE layer instead of all of them and
+  everything else a token passes through, the input embedding and the output layer included
+  (the convention of Qwen's 3.3B / 22B and DeepSeek's 37B).
+* Per train GPU, for one pipeline stage (the worst is reported): layers split evenly over pp; the
+  input embedding sits on the first stage, the output layer on the last (vocab padded to
+  128 x tp; a tied embedding is held once with pp=1, by both ends otherwise); non-expert
+  parameters split over tp, routed experts over ep x etp.
+  weights = params x bytes(model.dtype); grads = params x 4 (megatron's fp32 gradient buffers);
+  optimizer = params x (8 for the Adam moments + 4 for the fp32 master copy, none when the model
+  is float32) / shards, where shards = the data-parallel ranks that share the parameter
+  (dp x cp, expert-dp for experts) with the distributed optimizer, and 1 without it.
+* Activations kept for backward, per token and layer, in units of bytes(model.dtype) (flash
+  attention keeps no s^2 scores; RL runs without dropout):
+  attention 2h/s + (q + k + v + attention-output widths)/t (MLA: + the replicated q/kv latents);
+  dense MLP 2h/s + 3 ffn/t; MoE 2h/s + 2E/s (fp32 router) + k (etp h + 3 moe_ffn)/s
+  + 3 shared_ffn/t. Tokens per micro-batch and GPU = micro-batch x longest sequence, or the
+  dynamic token budget, over cp. Full recompute keeps the input of each unit of
+  ``recompute.num_layers`` layers (h/s per token) plus one unit's activations during its backward
+  (block: only the first num_layers layers of a stage are recomputed); selective recompute is
+  counted as none (it drops the s^2 attention scores, which flash attention never stores).
+  With 1F1B, stage i holds min(pp - i, micro-batches) micro-batches in flight, x (1 + (pp - 1) /
+  (pp x vpp)) when interleaved. Logits on the last stage: tokens x padded vocab / t x
+  (bytes(model.dtype) + 4 for the fp32 softmax the log-prob backward keeps).
+* Roles idle on the same GPUs (reference: weights; critic: state, counted with the actor's
+  architecture) keep what they do not offload. ``offload.*`` moves weights, grads or optimizer
+  state to host memory while a role is idle, so it lowers the weight sync and the colocated
+  rollout, not the update itself. Colocated engines release their memory during the update.
+* Weight sync: what the actor keeps while idle + one bucket (+ the engine's weights, colocated).
+* Rollout GPU: engine weights = params x bytes(rollout.dtype) / gpus_per_engine; the KV-cache pool
+  is the rest of gpu_memory x gpu_memory_utilization (SGLang's mem_fraction_static); colocated
+  engines share the GPU with what the train roles keep.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from megarl.config.derived import DerivedSizes, RoleLayout, is_whole
+from megarl.config.model_info import DTYPE_BYTES, ModelInfo
+from megarl.config.problems import Context, Problem, warning
+from megarl.config.schema import OffloadConfig, ParallelConfig, RunConfig
+from megarl.config.schema_train import RecomputeConfig
+
+GB = 2**30
+GRAD_BYTES = 4  # megatron accumulates and reduces gradients in fp32 buffers
+ADAM_MOMENT_BYTES = 8  # exp_avg + exp_avg_sq in fp32
+MASTER_BYTES = 4  # fp32 copy of bf16/fp16 parameters kept by the optimizer
+FP32_BYTES = 4
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameters of the whole model and those one token passes through."""
+
+    total: int
+    active: int
+
+    @classmethod
+    def of(cls, model: ModelInfo) -> ParamCounts:
+        """The counts of ``model`` (see the module docstring for the convention)."""
+        return cls(total=model.param_count(), active=model.active_param_count())
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """Model state of one role on one train GPU: parameter counts and their bytes."""
+
+    dense_params: int
+    expert_params: int
+    weights: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        """Weights + grads + optimizer state."""
+        return self.weights + self.grads + self.optimizer
+
+    def resident(self, offload: OffloadConfig | None) -> int:
+        """Bytes kept on the GPU while the role is idle (``None`` = nothing offloaded)."""
+        if offload is None:
+            return self.total
+        return ((0 if offload.param_offload else self.weights)
+                + (0 if offload.grad_offload else self.grads)
+                + (0 if offload.optimizer_offload else self.optimizer))
+
+
+@dataclass(frozen=True)
+class UpdateMemory:
+    """One actor GPU during the policy update (forward + backward + optimizer step)."""
+
+    stage: int
+    pp: int
+    state: TrainState
+    activations: int
+    logits: int
+    other_roles: int
+    tokens_per_micro_batch: int
+    micro_batches_in_flight: float
+
+    @property
+    def total(self) -> int:
+        """Everything the GPU holds at the peak of the update."""
+        return self.state.total + self.activations + self.logits + self.other_roles
+
+
+@dataclass(frozen=True)
+class EngineMemory:
+    """One GPU of a rollout engine; the pool numbers need ``resources.gpu_memory_gb``."""
+
+    gpus_per_engine: int
+    weights: int
+    kv_bytes_per_sequence: int
+    usable: int | None
+    max_num_seqs: int | None
+    train_resident: int
+    colocated: bool
+
+    @property
+    def kv_pool(self) -> int | None:
+        """KV-cache pool: what the memory fraction leaves after the weights."""
+        return None if self.usable is None else max(0, self.usable - self.weights)
+
+    @property
+    def sequences_fit(self) -> int | None:
+        """Full-length sequences the KV pool holds."""
+        pool = self.kv_pool
+        return None if pool is None else pool // self.kv_bytes_per_sequence
+
+    @property
+    def total(self) -> int:
+        """The engine's share (weights + KV pool) plus what colocated train roles keep."""
+        return max(self.usable or 0, self.weights) + self.train_resident
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """Everything ``megarl config show`` prints under "estimates"."""
+
+    params: ParamCounts
+    update: UpdateMemory
+    actor_resident: int
+    bucket: int
+    sync: int
+    engine: EngineMemory | None
+    gpu_memory: int | None
+
+
+# ---------------------------------------------------------------------------------------------
+# Parameters and state per GPU
+
+
+def stage_layers(num_layers: int, pp: int, stage: int) -> range:
+    """Layer indices of pipeline ``stage`` (even split, the last stage takes the remainder)."""
+    per_stage = math.ceil(num_layers / pp)
+    return range(min(num_layers, stage * per_stage), min(num_layers, (stage + 1) * per_stage))
+
+
+def stage_params(model: ModelInfo, p: ParallelConfig, stage: int,
+                 vocab: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) parameters on one GPU of pipeline ``stage``."""
+    layers = stage_layers(model.num_layers, p.pp, stage)
+    dense_set = set(model.dense_layers)
+    n_dense = sum(1 for i in layers if i in dense_set)
+    n_moe = len(layers) - n_dense
+    dense = (len(layers) * model.attention_params()
+             + n_dense * 3 * model.hidden_size * model.ffn_hidden_size
+             + n_moe * model.moe_layer_shared_params())
+    embedding = vocab * model.hidden_size
+    if stage == 0:
+        dense += embedding
+    if stage == p.pp - 1 and (not model.tie_word_embeddings or p.pp > 1):
+        dense += embedding
+    expert = n_moe * model.num_experts * model.expert_params()
+    return math.ceil(dense / p.tp), math.ceil(expert / (p.ep * p.expert_tp))
+
+
+def _shards(value: float | None) -> float:
+    """A data-parallel size usable as a divisor (1 when unknown or below 1)."""
+    return float(value) if isinstance(value, int | float) and value >= 1 else 1.0
+
+
+def train_state(dense: int, expert: int, layout: RoleLayout, dtype: str,
+                distributed_optimizer: bool) -> TrainState:
+    """Weights, fp32 grads and Adam state of ``dense`` + ``expert`` parameters on one GPU."""
+    per_param = ADAM_MOMENT_BYTES + (0 if dtype == "float32" else MASTER_BYTES)
+    dense_shards = _shards(layout.dp) * layout.cp if distributed_optimizer else 1.0
+    expert_shards = _shards(layout.expert_dp) if distributed_optimizer else 1.0
+    params = dense + expert
+    return TrainState(
+        dense_params=dense, expert_params=expert,
+        weights=params * DTYPE_BYTES[dtype], grads=params * GRAD_BYTES,
+        optimizer=math.ceil(per_param * (dense / dense_shards + expert / expert_shards)))
+
+
+def role_state(cfg: RunConfig, model: ModelInfo, layout: RoleLayout, parallel: ParallelConfig,
+               vocab: int) -> TrainState:
+    """The state of a role on its worst pipeline stage (the one holding the most bytes)."""
+    states = [train_state(*stage_params(model, parallel, stage, vocab), layout, cfg.model.dtype,
+                          cfg.actor.use_distributed_optimizer) for stage in range(parallel.pp)]
+    return max(states, key=lambda s: s.total)
+
+
+# ---------------------------------------------------------------------------------------------
+# Activations
+
+
+def layer_activation_bytes(model: ModelInfo, p: ParallelConfig, moe: bool, nbytes: int) -> float:
+    """Bytes one token leaves for backward in one layer (formula in the module docstring)."""
+    h, t = model.hidden_size, p.tp
+    s = t if p.sequence_parallel and t > 1 else 1
+    heads = model.num_attention_heads
+    if model.is_mla:
+        qk = model.qk_nope_head_dim + model.qk_rope_head_dim
+        latents = model.q_lora_rank + model.kv_lora_rank + model.qk_rope_head_dim
+        attention = 2 * h / s + latents + heads * (2 * qk + 2 * model.v_head_dim) / t
+    else:
+        attention = 2 * h / s + model.head_dim * (2 * heads + 2 * model.num_kv_heads) / t
+    if moe:
+        routed = model.top_k * (p.expert_tp * h + 3 * model.moe_ffn_hidden_size) / s
+        mlp = (2 * h + 2 * model.num_experts) / s + routed + (
+            3 * model.shared_expert_ffn_hidden_size / t)
+    else:
+        mlp = 2 * h / s + 3 * model.ffn_hidden_size / t
+    return (attention + mlp) * nbytes
+
+
+def stage_activation_bytes(model: ModelInfo, p: ParallelConfig, recompute: RecomputeConfig,
+                           stage: int, nbytes: int) -> float:
+    """Bytes per token of one micro-batch that pipeline ``stage`` keeps for backward."""
+    dense_set = set(model.dense_layers)
+    layers = [layer_activation_bytes(model, p, model.is_moe and i not in dense_set, nbytes)
+              for i in stage_layers(model.num_layers, p.pp, stage)]
+    if recompute.granularity != "full" or not layers:
+        return sum(layers)
+    s = p.tp if p.sequence_parallel and p.tp > 1 else 1
+    unit_input = model.hidden_size / s * nbytes
+    n = recompute.num_layers
+    if recompute.method == "uniform":
+        units = [layers[i:i + n] for i in range(0, len(layers), n)]
+        return len(units) * unit_input + max(sum(u) for u in units)
+    head, rest = layers[:n], layers[n:]
+    return len(head) * unit_input + sum(rest) + max(head)
+
+
+def micro_batch_tokens(cfg: RunConfig, sizes: DerivedSizes) -> int:
+    """Tokens of one micro-batch on one GPU (padded to the longest sequence), after cp."""
+    cp = cfg.actor.parallel.cp
+    if sizes.token_budget_per_micro_batch is not None:
+        return math.ceil(sizes.token_budget_per_micro_batch / cp)
+    micro = sizes.micro_batch_size_per_gpu
+    sequences = micro if is_whole(micro) else 1
+    return math.ceil(sequences * sizes.max_sequence_length / cp)
+
+
+def micro_batches_in_flight(p: ParallelConfig, stage: int,
+                            micro_batches: float | None) -> float:
+    """Micro-batches whose activations ``stage`` holds at once under the 1F1B schedule."""
+    if p.pp == 1:
+        return 1.0
+    count = float(p.pp - stage)
+    if is_whole(micro_batches):
+        count = min(count, float(micro_batches))
+    if p.vpp:
+        count *= 1 + (p.pp - 1) / (p.pp * p.vpp)
+    return count
+
+
+# ---------------------------------------------------------------------------------------------
+# Phases
+
+
+def idle_roles_bytes(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: int) -> int:
+    """What the reference and critic keep on a train GPU while the actor works."""
+    total = 0
+    if sizes.ref is not None and cfg.ref.parallel is not None and cfg.ref.enabled:
+        state = role_state(cfg, model, sizes.ref, cfg.ref.parallel, vocab)
+        total += 0 if cfg.ref.offload.param_offload else state.weights
+    if sizes.critic is not None and cfg.critic.parallel is not None and cfg.critic.enabled:
+        state = role_state(cfg, model, sizes.critic, cfg.critic.parallel, vocab)
+        total += state.resident(cfg.critic.offload)
+    return total
+
+
+def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: int,
+                  other_roles: int) -> UpdateMemory:
+    """The actor GPU of the pipeline stage with the highest peak during the update."""
+    p, nbytes = cfg.actor.parallel, DTYPE_BYTES[cfg.model.dtype]
+    tokens = micro_batch_tokens(cfg, sizes)
+    candidates = []
+    for stage in range(p.pp):
+        state = train_state(*stage_params(model, p, stage, vocab), sizes.actor, cfg.model.dtype,
+                            cfg.actor.use_distributed_optimizer)
+        flight = micro_batches_in_flight(p, stage, sizes.micro_batches_per_mini_batch)
+        per_token = stage_activation_bytes(model, p, cfg.actor.recompute, stage, nbytes)
+        logits = tokens * vocab / p.tp * (nbytes + FP32_BYTES) if stage == p.pp - 1 else 0
+        candidates.append(UpdateMemory(
+            stage=stage, pp=p.pp, state=state, activations=math.ceil(per_token * tokens * flight),
+            logits=math.ceil(logits), other_roles=other_roles, tokens_per_micro_batch=tokens,
+            micro_batches_in_flight=flight))
+    return max(candidates, key=lambda m: m.total)
+
+
+def engine_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
+                  train_resident: int) -> EngineMemory | None:
+    """One rollout-engine GPU (None without a rollout pool)."""
+    if sizes.rollout_pool_gpus is None:
+        return None
+    rollout, mem_gb = cfg.rollout, cfg.resources.gpu_memory_gb
+    dtype = rollout.dtype or cfg.model.dtype
+    tp = rollout.gpus_per_engine
+    return EngineMemory(
+        gpus_per_engine=tp,
+        weights=math.ceil(model.param_count() * DTYPE_BYTES[dtype] / tp),
+        kv_bytes_per_sequence=model.kv_bytes_per_token(dtype, tp) * sizes.max_sequence_length,
+        usable=None if mem_gb is None else int(mem_gb * GB * rollout.gpu_memory_utilization),
+        max_num_seqs=sizes.max_num_seqs,
+        train_resident=train_resident if rollout.colocate else 0,
+        colocated=rollout.colocate)
+
+
+def estimate(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes) -> Estimates:
+    """Parameter counts and per-GPU memory of every phase of ``cfg`` with ``model``."""
+    vocab = sizes.padded_vocab_size or model.vocab_size
+    other = idle_roles_bytes(cfg, model, sizes, vocab)
+    update = update_memory(cfg, model, sizes, vocab, other)
+    actor_resident = update.state.resident(cfg.actor.offload)
+    engine = engine_memory(cfg, model, sizes, actor_resident + other)
+    bucket = cfg.checkpoint_engine.bucket_size_mb * 2**20
+    sync = actor_resident + other + bucket + (
+        engine.weights if engine is not None and engine.colocated else 0)
+    mem = cfg.resources.gpu_memory_gb
+    return Estimates(params=ParamCounts.of(model), update=update, actor_resident=actor_resident,
+                     bucket=bucket, sync=sync, engine=engine,
+                     gpu_memory=None if mem is None else int(mem * GB))
+
+
+# ---------------------------------------------------------------------------------------------
+# Display
+
+
+def billions(count: int) -> str:
+    """A parameter count in billions with 3 significant digits (``30.5B``, ``0.596B``)."""
+    text = f"{count / 1e9:.3g}"
+    if "e" in text:  # tiny test models: plain decimals instead of an exponent
+        text = f"{count / 1e9:.9f}".rstrip("0")
+    return f"{text}B"
+
+
+def count(n: int) -> str:
+    """A parameter count with its unit: ``3.62B``, ``385M``, ``41.5K``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale * 0.9995:  # 999.6M shows as 1B, not 1e+03M
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def size(nbytes: float) -> str:
+    """Bytes as GB (2**30) with one decimal, or MB / KB below one GB."""
+    for unit, scale in (("GB", GB), ("MB", 2**20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 2**10:.1f} KB"
+
+
+def _update_rows(cfg: RunConfig, est: Estimates) -> list[tuple[str, str]]:
+    """Rows of the actor's update and the weight sync."""
+    u, st = est.update, est.update.state
+    others = f" + idle ref/critic {size(u.other_roles)}" if u.other_roles else ""
+    rc = cfg.actor.recompute
+    recompute = rc.granularity + (f" ({rc.method}, {rc.num_layers} layer(s) per unit)"
+                                  if rc.granularity == "full" else "")
+    sync_engine = (f" + engine weights {size(est.engine.weights)}"
+                   if est.engine is not None and est.engine.colocated else "")
+    return [
+        ("actor update", (f"weights {size(st.weights)} + grads {size(st.grads)} + optimizer "
+                          f"{size(st.optimizer)} + activations {size(u.activations)} + logits "
+                          f"{size(u.logits)}{others} = {size(u.total)}")),
+        ("", (f"pipeline stage {u.stage + 1} of {u.pp}: {count(st.dense_params)} non-expert + "
+              f"{count(st.expert_params)} expert params per GPU; {u.tokens_per_micro_batch} "
+              f"tokens per micro-batch x {u.micro_batches_in_flight:g} in flight; recompute "
+              f"{recompute}")),
+        ("weight sync", (f"actor kept {size(est.actor_resident)}"
+                         + (f" + idle ref/critic {size(u.other_roles)}" if u.other_roles else "")
+                         + f" + bucket {size(est.bucket)}{sync_engine} = {size(est.sync)}")),
+    ]
+
+
+def _engine_rows(e: EngineMemory) -> list[tuple[str, str]]:
+    """Rows of one rollout-engine GPU."""
+    name = f"rollout GPU (engine of {e.gpus_per_engine})"
+    per_seq = f"KV {size(e.kv_bytes_per_sequence)} per full-length sequence"
+    if e.usable is None:
+        return [(name, f"weights {size(e.weights)}; {per_seq}")]
+    in_flight = "" if e.max_num_seqs is None else (
+        f"; max_num_seqs {e.max_num_seqs} need {size(e.max_num_seqs * e.kv_bytes_per_sequence)}")
+    rows = [(name, (f"weights {size(e.weights)} + KV cache {size(e.kv_pool or 0)} = "
+                    f"{size(max(e.usable, e.weights))} (fits {e.sequences_fit} full-length "
+                    f"sequences{in_flight})"))]
+    if e.colocated:
+        rows.append(("", (f"+ {size(e.train_resident)} the train roles keep on the GPU "
+                          f"(colocated) = {size(e.total)}")))
+    return rows
+
+
+def format_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSizes) -> list[str]:
+    """The estimates as lines: the parameter counts, then one aligned row per phase."""
+    if model is None:
+        return ["n/a: model.path has no readable config.json"]
+    est = estimate(cfg, model, sizes)
+    rows = _update_rows(cfg, est)
+    if est.engine is not None:
+        rows += _engine_rows(est.engine)
+    rows.append(("GPU memory", size(est.gpu_memory) if est.gpu_memory is not None else
+                 "unknown: set resources.gpu_memory_gb to check the phases against it"))
+    width = max(len(name) for name, _ in rows)
+    return [f"params/total: {billions(est.params.total)}",
+            f"params/active: {billions(est.params.active)}",
+            *(f"{name:<{width}}  {value}" for name, value in rows)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation rule (PITFALLS T1)
+
+
+def _update_fix(cfg: RunConfig, u: UpdateMemory) -> tuple[tuple[str, ...], str]:
+    """The knobs (fields, advice) for the two largest parts of the update's memory."""
+    micro = ("actor.ppo_max_token_len_per_gpu" if cfg.actor.use_dynamic_bsz
+             else "actor.ppo_micro_batch_size_per_gpu")
+    knobs = {
+        "activations": ((micro, "actor.recompute.granularity", "actor.parallel.cp"),
+                        (f"lower {micro}, set actor.recompute.granularity=full or raise "
+                         "actor.parallel.cp")),
+        "state": (("actor.parallel.tp", "actor.parallel.pp", "actor.parallel.ep"),
+                  ("raise actor.parallel.tp / pp (ep for experts) or add GPUs to the train pool "
+                   "(more data-parallel optimizer shards)")),
+        "others": (("ref.offload.param_offload", "critic.offload"),
+                   ("offload the idle reference / critic (ref.offload.param_offload=true, "
+                    "critic.offload.*)")),
+    }
+    parts = {"activations": u.activations + u.logits, "state": u.state.total,
+             "others": u.other_roles}
+    if not cfg.actor.use_distributed_optimizer:
+        knobs["state"] = (("actor.use_distributed_optimizer",),
+                          "set actor.use_distributed_optimizer=true to shard the optimizer over DP")
+    top = sorted((name for name in parts if parts[name]), key=lambda n: -parts[n])[:2]
+    fields = tuple(f for name in top for f in knobs[name][0])
+    return fields, "; or ".join(knobs[name][1] for name in top)
+
+
+def _colocated_fix(cfg: RunConfig, est: Estimates, limit: int) -> str:
+    """Advice for a colocated rollout that does not fit next to the train roles' state."""
+    st, off = est.update.state, cfg.actor.offload
+    steps = [f"actor.offload.{name}_offload=true (frees {size(value)})"
+             for name, value, on in (("optimizer", st.optimizer, off.optimizer_offload),
+                                     ("grad", st.grads, off.grad_offload)) if not on and value]
+    fraction = math.floor((limit - est.engine.train_resident) / limit * 20) / 20 if (
+        est.engine is not None) else 0.0
+    lower = (f"lower rollout.gpu_memory_utilization to {fraction:.2f}" if fraction > 0 else
+             "use a separate rollout pool")
+    return "set " + " and ".join(steps) + f", or {lower}" if steps else lower
+
+
+def check_memory_fits(ctx: Context) -> Iterator[Problem]:
+    """Warn when a phase needs more memory than one GPU has (T1), naming the knobs."""
+    cfg, model = ctx.cfg, ctx.model
+    if model is None or cfg.resources.gpu_memory_gb is None:
+        return
+    est, limit, mem = estimate(cfg, model, ctx.sizes), int(cfg.resources.gpu_memory_gb * GB), (
+        cfg.resources.gpu_memory_gb)
+    u = est.update
+    if u.total > limit:
+        fields, fix = _update_fix(cfg, u)
+        yield warning(("resources.gpu_memory_gb", *fields), (
+            f"an actor GPU (pipeline stage {u.stage + 1} of {u.pp}) needs ~{size(u.total)} in "
+            f"the update (weights {size(u.state.weights)}, grads {size(u.state.grads)}, "
+            f"optimizer {size(u.state.optimizer)}, activations {size(u.activations)}, logits "
+            f"{size(u.logits)}) but a GPU has {mem} GB"), fix)
+    if est.sync > limit:
+        yield warning(("resources.gpu_memory_gb", "checkpoint_engine.bucket_size_mb",
+                       "actor.offload"), (
+            f"the weight sync needs ~{size(est.sync)} on an actor GPU (incl. a bucket of "
+            f"{size(est.bucket)}) but a GPU has {mem} GB"),
+            "lower checkpoint_engine.bucket_size_mb or set actor.offload.optimizer_offload=true")
+    engine = est.engine
+    if engine is not None and engine.colocated and engine.total > limit:
+        yield warning(("resources.gpu_memory_gb", "rollout.gpu_memory_utilization",
+                       "actor.offload"), (
+            f"a colocated engine takes {size(max(engine.usable or 0, engine.weights))} "
+            f"(gpu_memory_utilization {cfg.rollout.gpu_memory_utilization}) next to "
+            f"{size(engine.train_resident)} the train roles keep on the GPU: ~{size(engine.total)}"
+            f" of {mem} GB"), _colocated_fix(cfg, est, limit))

@@ -1,0 +1,244 @@
+"""Parameter counts and per-GPU memory estimates (megarl/config/estimates.py, PITFALLS T1):
+published totals of the model cards, hand arithmetic on the real tiny model, and the warning when
+a phase does not fit ``resources.gpu_memory_gb``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from megarl.config import derive_sizes, load_config, load_config_dict, load_model_info
+from megarl.config.estimates import (
+    GB,
+    estimate,
+    format_estimates,
+    micro_batches_in_flight,
+    stage_layers,
+)
+from megarl.config.schema import ParallelConfig
+from megarl.config.validate import validate_config
+
+REPO = Path(__file__).resolve().parents[2]
+CARDS = REPO / "configs" / "models"
+
+# Published (total, activated) parameters: Qwen3 model cards and technical report; DeepSeek-V3
+# technical report (671B main model without the 14B MTP module, 37B activated per token).
+PUBLISHED = {
+    "qwen3-0.6b": (0.6e9, 0.6e9),
+    "qwen3-8b": (8.2e9, 8.2e9),
+    "qwen3-30b-a3b": (30.5e9, 3.3e9),
+    "qwen3-235b-a22b": (235e9, 22e9),
+    "deepseek-v3-671b": (671e9, 37e9),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_param_counts_match_the_published_totals_within_2_percent(name):
+    info = load_model_info(CARDS / name)
+    total, active = PUBLISHED[name]
+    assert info.param_count() == pytest.approx(total, rel=0.02)
+    assert info.active_param_count() == pytest.approx(active, rel=0.02)
+
+
+def test_mla_attention_and_kv_cache_by_hand():
+    """DeepSeek-V3's MLA: low-rank q and kv projections, one 576-wide latent cached per layer."""
+    info = load_model_info(CARDS / "deepseek-v3-671b")
+    h, heads = 7168, 128
+    q = h * 1536 + 1536 * heads * (128 + 64)
+    kv = h * (512 + 64) + 512 * heads * (128 + 128)
+    out = heads * 128 * h
+    assert info.attention_params() == q + kv + out == 187_105_280
+    assert info.kv_bytes_per_token("bfloat16", tp=16) == 61 * 576 * 2
+    expert = 3 * h * 2048
+    layer_moe = info.attention_params() + 257 * expert + h * 256  # 256 routed + 1 shared, router
+    layer_dense = info.attention_params() + 3 * h * 18432
+    embed = 2 * 129280 * h
+    assert info.param_count() == embed + 3 * layer_dense + 58 * layer_moe
+    assert info.active_param_count() == info.param_count() - 58 * 248 * expert
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory on the real tiny model: 2 layers, h 64, 4 heads x 16, 2 KV heads, 4 experts (top-2) of
+# width 32, vocab 128, fp32; the demo config puts it on 2 processes.
+
+
+def tiny_config(tiny_moe_dir: Path, *overrides: str):
+    """The demo config on the tiny model, with GPU-style memory settings."""
+    cfg, _ = load_config(REPO / "configs" / "tiny-moe-cpu.yaml", [
+        f"model.path={tiny_moe_dir}", "actor.parallel.ep=1", *overrides])
+    return cfg
+
+
+def tiny_estimate(tiny_moe_dir: Path, *overrides: str):
+    """Estimates of the demo config on the tiny model."""
+    cfg = tiny_config(tiny_moe_dir, *overrides)
+    model = load_model_info(tiny_moe_dir)
+    return estimate(cfg, model, derive_sizes(cfg, model)), model
+
+
+def tiny_tensor_count(tiny_moe_dir: Path) -> tuple[int, int]:
+    """(non-norm parameters, routed-expert parameters) read from the safetensors file."""
+    from safetensors import safe_open
+
+    with safe_open(tiny_moe_dir / "model.safetensors", framework="pt") as f:
+        shapes = {k: f.get_slice(k).get_shape() for k in f.keys()}  # noqa: SIM118
+    total = sum(math.prod(s) for k, s in shapes.items() if "norm" not in k)
+    experts = sum(math.prod(s) for k, s in shapes.items() if ".experts." in k)
+    return total, experts
+
+
+def test_tiny_state_bytes_by_hand(tiny_moe_dir):
+    est, model = tiny_estimate(tiny_moe_dir)
+    params, _ = tiny_tensor_count(tiny_moe_dir)
+    st = est.update.state
+    assert est.params.total == model.param_count() == params
+    assert st.dense_params + st.expert_params == params  # tp = pp = ep = 1: everything
+    assert st.weights == params * 4  # fp32
+    assert st.grads == params * 4
+    assert st.optimizer == 8 * params / 2  # fp32 params: Adam moments only, over dp=2
+
+
+def test_bf16_adds_the_master_copy_and_no_distributed_optimizer_replicates(tiny_moe_dir):
+    params, _ = tiny_tensor_count(tiny_moe_dir)
+    bf16, _ = tiny_estimate(tiny_moe_dir, "model.dtype=bfloat16")
+    assert bf16.update.state.weights == params * 2 and bf16.update.state.grads == params * 4
+    assert bf16.update.state.optimizer == 12 * params / 2
+    replicated, _ = tiny_estimate(tiny_moe_dir, "actor.use_distributed_optimizer=false")
+    assert replicated.update.state.optimizer == 8 * params
+
+
+def test_expert_parallel_splits_experts_and_their_optimizer_shards(tiny_moe_dir):
+    params, experts = tiny_tensor_count(tiny_moe_dir)
+    est, _ = tiny_estimate(tiny_moe_dir, "actor.parallel.ep=2")
+    st = est.update.state
+    assert st.expert_params == experts // 2 and st.dense_params == params - experts
+    # expert-dp = 2 / ep 2 = 1 shard; the non-expert part is sharded over dp = 2
+    assert st.optimizer == 8 * ((params - experts) / 2 + experts / 2)
+
+
+def test_tiny_activations_and_logits_by_hand(tiny_moe_dir):
+    est, _ = tiny_estimate(tiny_moe_dir)
+    tokens = 4 * (64 + 32)  # micro-batch of 4 sequences x longest sequence
+    attention = 2 * 64 + 16 * (2 * 4 + 2 * 2)  # norm in/out + q, k, v and attention output
+    moe = (2 * 64 + 2 * 4) + 2 * (64 + 3 * 32)  # norm in/out + fp32 router; top-2 experts
+    assert est.update.tokens_per_micro_batch == tokens
+    assert est.update.activations == 2 * (attention + moe) * 4 * tokens
+    assert est.update.logits == tokens * 128 * (4 + 4)
+    full, _ = tiny_estimate(tiny_moe_dir, "actor.recompute.granularity=full")
+    # two 1-layer units keep their inputs (h each); one unit is recomputed at a time
+    assert full.update.activations == (2 * 64 + attention + moe) * 4 * tokens
+    assert full.update.activations < est.update.activations
+
+
+def test_engine_and_sync_by_hand(tiny_moe_dir):
+    est, model = tiny_estimate(tiny_moe_dir, "resources.gpu_memory_gb=0.01")
+    e = est.engine
+    usable = int(0.01 * GB * 0.8)
+    assert e.weights == model.param_count() * 4 and e.usable == usable
+    assert e.kv_bytes_per_sequence == 2 * 2 * 2 * 16 * 4 * 96  # K,V x layers x kv x dim x fp32
+    assert e.sequences_fit == (usable - e.weights) // e.kv_bytes_per_sequence
+    assert e.train_resident == 0 and not e.colocated  # the demo has its own rollout pool
+    assert est.sync == est.update.state.total + 16 * 2**20  # actor state + one 16 MB bucket
+
+
+def test_pipeline_stages_and_micro_batches_in_flight():
+    assert [list(stage_layers(61, 4, s)) for s in (0, 3)] == [list(range(16)), list(range(48, 61))]
+    p4 = ParallelConfig(pp=4)
+    assert micro_batches_in_flight(p4, 0, 8) == 4 and micro_batches_in_flight(p4, 3, 8) == 1
+    assert micro_batches_in_flight(p4, 0, 2) == 2
+    assert micro_batches_in_flight(ParallelConfig(pp=4, vpp=2), 0, 8) == 4 * (1 + 3 / 8)
+    assert micro_batches_in_flight(ParallelConfig(), 0, 8) == 1
+
+
+def test_pipeline_split_of_a_real_layout():
+    """Qwen3-235B on pp 2: 47 layers per stage; embedding on stage 1, output layer on stage 2."""
+    cfg, _ = load_config(REPO / "configs" / "qwen3-235b-a22b.yaml")
+    model = load_model_info(CARDS / "qwen3-235b-a22b")
+    u = estimate(cfg, model, derive_sizes(cfg, model)).update
+    attn = 64 * 128 * 2 * 4096 + 4 * 128 * 2 * 4096
+    dense = 47 * (attn + 4096 * 128) + 152064 * 4096  # attention + router, one vocab matrix
+    assert u.state.dense_params == math.ceil(dense / 4)
+    assert u.state.expert_params == 47 * 128 * 3 * 4096 * 1536 // 16
+    assert u.logits > 0 and u.stage == 1  # the last stage (logits) is the fuller one here
+
+
+# ---------------------------------------------------------------------------------------------
+# The T1 warning
+
+
+def memory_warnings(cfg) -> list:
+    """The memory rule's findings for ``cfg`` (model from model.path)."""
+    return [p for p in validate_config(cfg, allow_missing_files=True)
+            if p.rule == "check_memory_fits"]
+
+
+def test_warning_fires_for_a_too_small_gpu_and_names_the_knobs(tiny_moe_dir):
+    assert memory_warnings(tiny_config(tiny_moe_dir, "resources.gpu_memory_gb=1")) == []
+    found = memory_warnings(tiny_config(tiny_moe_dir, "resources.gpu_memory_gb=0.001"))
+    update = [p for p in found if "in the update" in p.line()]
+    assert update and update[0].severity == "warning"
+    assert "resources.gpu_memory_gb" in update[0].fields
+    assert "actor.ppo_micro_batch_size_per_gpu" in update[0].fields  # activations dominate
+    assert "actor.recompute.granularity=full" in update[0].fix
+
+
+def test_state_heavy_layout_points_at_parallelism(monkeypatch):
+    monkeypatch.chdir(REPO)
+    cfg, _ = load_config("configs/qwen3-30b-a3b.yaml", ["resources.gpu_memory_gb=40"])
+    update, sync = memory_warnings(cfg)
+    assert "needs ~48.4 GB in the update" in update.message and "has 40.0 GB" in update.message
+    assert "actor.parallel.ep" in update.fields and "add GPUs" in update.fix
+    assert "weight sync needs ~44.7 GB" in sync.message
+    assert "checkpoint_engine.bucket_size_mb" in sync.fields
+
+
+def test_colocated_rollout_counts_what_the_actor_keeps(monkeypatch):
+    """Qwen3-8B offloads grads and optimizer during rollout; without that it does not fit."""
+    monkeypatch.chdir(REPO)
+    on, _ = load_config("configs/qwen3-8b.yaml")
+    assert memory_warnings(on) == []
+    off, _ = load_config("configs/qwen3-8b.yaml", ["actor.offload.grad_offload=false",
+                                                  "actor.offload.optimizer_offload=false"])
+    (problem,) = memory_warnings(off)
+    assert "colocated engine" in problem.message
+    assert "actor.offload.optimizer_offload=true" in problem.fix
+    model = load_model_info(CARDS / "qwen3-8b")
+    e = estimate(off, model, derive_sizes(off, model)).engine
+    state = estimate(off, model, derive_sizes(off, model)).update.state
+    assert e.train_resident == state.total and e.total == int(80 * GB * 0.7) + state.total
+
+
+def test_estimates_without_gpu_memory_or_model(tiny_moe_dir):
+    cfg = tiny_config(tiny_moe_dir)
+    model = load_model_info(tiny_moe_dir)
+    lines = format_estimates(cfg, model, derive_sizes(cfg, model))
+    assert lines[:2] == ["params/total: 0.000090624B", "params/active: 0.000066048B"]
+    assert any("unknown: set resources.gpu_memory_gb" in line for line in lines)
+    assert memory_warnings(cfg) == []
+    assert format_estimates(cfg, None, derive_sizes(cfg)) == [
+        "n/a: model.path has no readable config.json"]
+
+
+def test_critic_and_reference_add_their_idle_state(tiny_moe_dir):
+    base, _ = tiny_estimate(tiny_moe_dir)
+    with_ref, _ = tiny_estimate(tiny_moe_dir, "actor.use_kl_loss=true")
+    assert with_ref.update.other_roles == base.update.state.weights  # ref: weights only
+    offloaded, _ = tiny_estimate(tiny_moe_dir, "actor.use_kl_loss=true",
+                                 "ref.offload.param_offload=true")
+    assert offloaded.update.other_roles == 0
+
+
+def test_loaded_dict_configs_estimate_too():
+    """Any config dict with an architecture gets estimates (no files needed)."""
+    from config_archs import QWEN3_30B_A3B
+
+    from megarl.config.model_info import model_info_from_dict
+
+    cfg, _ = load_config_dict({"model": {"path": "/nowhere"}, "data": {"train_files": ["/t"]},
+                               "actor": {"ppo_micro_batch_size_per_gpu": 2,
+                                         "parallel": {"ep": 8}}})
+    model = model_info_from_dict(QWEN3_30B_A3B)
+    est = estimate(cfg, model, derive_sizes(cfg, model))
+    assert est.params.total == model.param_count() and est.engine is not None

@@ -1,0 +1,131 @@
+"""Every shipped config in configs/ validates: the demo against a real tiny model, the per-size
+configs against their model cards (configs/models/*/config.json: architecture only, no weights)
+with the data files and the checkpoint as the only, documented, placeholders."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from megarl.config import load_config, validate_config
+from megarl.config.cli import show_main, validate_main
+from megarl.config.model_info import load_model_info, weight_files
+from megarl.config.validate import file_problems
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+SIZED = [p for p in SHIPPED if p.name != "tiny-moe-cpu.yaml"]
+CARDS = sorted(p for p in (REPO / "configs" / "models").iterdir() if p.is_dir())
+PLACEHOLDER_RULES = {"check_model_weights", "check_data_files"}
+
+
+def test_the_shipped_set():
+    assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "qwen3-0.6b", "qwen3-235b-a22b",
+                                         "qwen3-30b-a3b", "qwen3-8b", "tiny-moe-cpu"]
+    assert [c.name for c in CARDS] == [p.stem for p in SIZED]
+    for path in SHIPPED:
+        assert path.read_text().startswith("# "), f"{path.name} has no header comment"
+
+
+@pytest.mark.parametrize("card", CARDS, ids=[c.name for c in CARDS])
+def test_model_cards_are_config_json_only(card):
+    assert [f.name for f in card.iterdir()] == ["config.json"]
+    assert weight_files(card) == []
+    info = load_model_info(card)
+    assert info.num_layers > 0 and info.vocab_size > 0
+
+
+def test_demo_config_validates_cleanly_against_the_tiny_model(tiny_moe_dir, tmp_path, capsys):
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.write_bytes(b"")
+    val.write_bytes(b"")
+    assert validate_main([str(REPO / "configs" / "tiny-moe-cpu.yaml"), f"model.path={tiny_moe_dir}",
+                          f"data.train_files=[{train}]", f"data.val_files=[{val}]"]) == 0
+    assert capsys.readouterr().out == "OK\n"
+
+
+@pytest.mark.parametrize("path", SIZED, ids=[p.stem for p in SIZED])
+def test_sized_config_validates_with_only_the_placeholders_reported(path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)  # model.path and the data placeholders are relative to the repo
+    cfg, sources = load_config(path)
+    assert cfg.model.path == f"configs/models/{path.stem}"
+    problems = validate_config(cfg, sources=sources, allow_missing_files=True)
+    assert {p.rule for p in problems} == PLACEHOLDER_RULES, [p.line() for p in problems]
+    assert all(not p.is_error for p in problems)
+    assert validate_main([str(path), "--allow-missing-files"]) == 0
+    assert capsys.readouterr().out.startswith("OK\n")
+    strict = validate_config(cfg, sources=sources)
+    assert {p.rule for p in strict} == PLACEHOLDER_RULES and all(p.is_error for p in strict)
+
+
+@pytest.mark.parametrize("path", SIZED, ids=[p.stem for p in SIZED])
+def test_sized_config_with_real_files_validates_without_any_warning(path, tmp_path, capsys):
+    """Replacing the placeholders (a checkpoint dir with weights, existing data) leaves nothing."""
+    model = tmp_path / "checkpoint"
+    model.mkdir()
+    shutil.copy(REPO / "configs" / "models" / path.stem / "config.json", model / "config.json")
+    (model / "model-00001-of-00001.safetensors").write_bytes(b"")
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.write_bytes(b"")
+    val.write_bytes(b"")
+    assert validate_main([str(path), f"model.path={model}", f"data.train_files=[{train}]",
+                          f"data.val_files=[{val}]"]) == 0
+    assert capsys.readouterr().out == "OK\n"
+
+
+def test_a_model_card_passes_the_checks_but_not_as_a_checkpoint(monkeypatch):
+    """The architecture checks read config.json only; training needs weights (a missing file)."""
+    monkeypatch.chdir(REPO)
+    cfg, _ = load_config("configs/qwen3-30b-a3b.yaml", ["actor.parallel.ep=7"])
+    problems = validate_config(cfg, allow_missing_files=True)
+    assert any(p.rule == "check_experts_divisible_by_ep" for p in problems)  # the card was read
+    (card,) = [p for p in problems if p.rule == "check_model_weights"]
+    assert card.severity == "warning" and card.fields == ("model.path",)
+    assert "no weights" in card.message and "HF checkpoint directory" in card.fix
+    preflight = file_problems(cfg)  # what a node checks before training: an error
+    assert (preflight[0].rule, preflight[0].severity) == ("check_model_weights", "error")
+
+
+@pytest.mark.parametrize("path", SIZED, ids=[p.stem for p in SIZED])
+def test_show_prints_the_parameter_counts(path, monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    assert show_main([str(path), "--allow-missing-files"]) == 0
+    out = capsys.readouterr().out
+    published = {"qwen3-0.6b": ("0.596B", "0.596B"), "qwen3-8b": ("8.19B", "8.19B"),
+                 "qwen3-30b-a3b": ("30.5B", "3.35B"), "qwen3-235b-a22b": ("235B", "22.2B"),
+                 "deepseek-v3-671b": ("671B", "37.6B")}[path.stem]
+    assert f"#   params/total: {published[0]}\n" in out
+    assert f"#   params/active: {published[1]}\n" in out
+    assert "#   actor update " in out and "#   rollout GPU (engine of " in out
+
+
+def test_moe_configs_use_router_replay_and_overlapping_schedulers():
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3-671b"):
+        cfg, _ = load_config(REPO / "configs" / f"{name}.yaml")
+        assert cfg.actor.router_replay.mode == "R3" and cfg.rollout.enable_return_routed_experts
+        assert cfg.scheduler.mode in ("one_step_off", "fully_async") and not cfg.rollout.colocate
+        config = json.loads((REPO / "configs" / "models" / name / "config.json").read_text())
+        assert config["num_experts_per_tok"] == 8
+
+
+def test_multi_node_engines_are_flagged_only_when_one_node_would_do(monkeypatch):
+    """DeepSeek-V3's bf16 weights need two nodes per engine; Qwen3-235B's fit one."""
+    monkeypatch.chdir(REPO)
+    cfg, _ = load_config("configs/qwen3-235b-a22b.yaml", ["rollout.gpus_per_engine=16"])
+    found = [p for p in validate_config(cfg, allow_missing_files=True)
+             if p.rule == "check_engines_fill_rollout_pool"]
+    assert found and "crosses the network" in found[0].message
+    cfg, _ = load_config("configs/deepseek-v3-671b.yaml")
+    assert cfg.rollout.gpus_per_engine == 16
+    assert all(p.rule != "check_engines_fill_rollout_pool"
+               for p in validate_config(cfg, allow_missing_files=True))
+
+
+def test_flags_may_come_before_overrides():
+    from megarl.config.cli import validate_main
+
+    assert validate_main(["configs/qwen3-8b.yaml", "--allow-missing-files",
+                          "data.train_batch_size=128"]) == 0
