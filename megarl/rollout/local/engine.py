@@ -1,0 +1,396 @@
+"""The embedded engine's scheduler: continuous batching on one thread that owns the model.
+
+Requests (one prompt, ``n`` samples) wait in a queue; every step admits waiting prompts up to
+the row and prefill-token budgets, prefills them together (the prompt once, its KV copied to
+the ``n`` sample rows), samples their first tokens and adds them to the running batch; then the
+whole batch decodes one token. Requests that arrive while others run join at the next step.
+
+Everything that touches the model (generation, weight loads, aborts, pause modes) runs on the
+engine thread, between steps: other threads hand it functions through :meth:`LocalEngine.call`,
+so a weight update never lands in the middle of a forward.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+
+from megarl.rollout.interface import PauseMode, SamplingParams
+from megarl.rollout.local.model_runner import ModelRunner
+from megarl.rollout.local.sampling import BatchSampling, RowSampling, sample_next
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+@dataclass
+class Request:
+    """One prompt with its sampling parameters; resolves ``future`` with its samples."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    return_logprob: bool = True
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    created: float = field(default_factory=time.monotonic)
+    samples: list[Sample] = field(default_factory=list)
+
+
+@dataclass
+class Sample:
+    """One row being generated."""
+
+    request: Request
+    index: int
+    max_new_tokens: int
+    sampling: RowSampling
+    stop_ids: frozenset[int]
+    """Tokens that end the sample (stop_token_ids, plus EOS unless ignore_eos)."""
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    route_chunks: list[torch.Tensor] = field(default_factory=list)
+    finish: dict[str, Any] | None = None
+    weight_version: str = ""
+
+
+@dataclass
+class SampleResult:
+    """A finished sample as the HTTP layer reports it."""
+
+    rid: str
+    index: int
+    prompt_ids: list[int]
+    output_ids: list[int]
+    logprobs: list[float] | None
+    finish_reason: dict[str, Any]
+    weight_version: str
+    routed_experts: torch.Tensor | None
+    e2e_latency: float
+
+
+@dataclass
+class _Prefill:
+    """Rows that share one context to prefill (a new prompt's samples, or a retracted row)."""
+
+    samples: list[Sample]
+    context: list[int]
+
+
+class LocalEngine:
+    """Continuous-batching generation over a :class:`ModelRunner`, run on its own thread."""
+
+    def __init__(self, runner: ModelRunner, *, max_running_requests: int = 256,
+                 max_prefill_tokens: int = 16384, weight_version: str = "default",
+                 seed: int | None = None) -> None:
+        self.runner = runner
+        self.max_running_requests = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.weight_version = weight_version
+        self.paused = False
+        self.released: set[str] = set()
+        self._generator = torch.Generator()
+        self._generator.manual_seed(seed if seed is not None else torch.seed())
+        self._inbox: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
+            queue.Queue())
+        self._waiting: deque[_Prefill] = deque()
+        self._rows: list[Sample] = []
+        self._rows_sampling: BatchSampling | None = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="megarl-engine", daemon=True)
+
+    # ----- public, thread-safe -----
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort everything and stop the engine thread."""
+        if self._thread.is_alive():
+            self.call(lambda: self.abort_requests(None, "server shutting down")).result(timeout)
+            self._stop = True
+            self._inbox.put((lambda: None, concurrent.futures.Future()))
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs."""
+        return self._thread.is_alive()
+
+    def call(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        """Run ``fn`` on the engine thread between steps; the future holds its result."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put((fn, future))
+        return future
+
+    def submit(self, request: Request) -> concurrent.futures.Future:
+        """Queue a request; its future resolves to ``list[SampleResult]`` (one per sample)."""
+        self.call(lambda: self._enqueue(request))
+        return request.future
+
+    def abort(self, rid: str | None) -> concurrent.futures.Future:
+        """Abort the request ``rid`` (None: all); their partial samples finish as ``abort``."""
+        return self.call(lambda: self.abort_requests(rid, "aborted by request"))
+
+    def pause(self, mode: PauseMode) -> concurrent.futures.Future:
+        """Stop stepping; ``abort`` / ``retract`` / ``in_place`` decide what happens to rows."""
+        return self.call(lambda: self._pause(mode))
+
+    def resume(self) -> concurrent.futures.Future:
+        """Step again after :meth:`pause`."""
+        return self.call(self._resume)
+
+    def load_state(self) -> dict[str, Any]:
+        """Counts for ``/get_server_info`` (read without locking; approximate)."""
+        running = sum(s.finish is None for s in self._rows)
+        return {"num_running_reqs": running, "num_waiting_reqs": len(self._waiting),
+                "paused": self.paused, "released": sorted(self.released),
+                "weight_version": self.weight_version}
+
+    @property
+    def busy(self) -> bool:
+        """Whether any request is running or waiting."""
+        return bool(self._rows or self._waiting)
+
+    # ----- engine thread -----
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_inbox(block=self._idle())
+            if self._idle():
+                continue
+            try:
+                self._step()
+            except Exception as err:  # a failed forward fails its requests, not the server
+                logger.exception("generation step failed")
+                self._fail_all(err)
+
+    def _idle(self) -> bool:
+        return self.paused or bool(self.released) or not (self._rows or self._waiting)
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._run(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    @staticmethod
+    def _run(fn: Callable[[], Any], future: concurrent.futures.Future) -> None:
+        try:
+            future.set_result(fn())
+        except Exception as err:  # noqa: BLE001  (the caller receives it through the future)
+            future.set_exception(err)
+
+    def _enqueue(self, request: Request) -> None:
+        runner = self.runner
+        max_new = min(request.params.max_new_tokens,
+                      runner.context_length - len(request.prompt_ids))
+        seed = request.params.seed
+        for j in range(request.params.n):
+            gen = None
+            if seed is not None:
+                gen = torch.Generator()
+                gen.manual_seed(seed + j)
+            p = request.params
+            sampling = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, gen)
+            stop_ids = frozenset(p.stop_token_ids) | (
+                frozenset() if p.ignore_eos else frozenset(runner.eos_token_ids))
+            request.samples.append(Sample(request, j, max_new, sampling, stop_ids))
+        self._waiting.append(_Prefill(list(request.samples), list(request.prompt_ids)))
+
+    def _admit(self) -> list[_Prefill]:
+        """Waiting prefills that fit the row and prefill-token budgets (at least one if idle)."""
+        admitted: list[_Prefill] = []
+        rows, width = len(self._rows), 0
+        while self._waiting:
+            unit = self._waiting[0]
+            new_width = max(width, len(unit.context))
+            over_rows = rows + len(unit.samples) > self.max_running_requests
+            over_tokens = new_width * (len(admitted) + 1) > self.max_prefill_tokens
+            if (over_rows and rows > 0) or (over_tokens and admitted):
+                break
+            admitted.append(self._waiting.popleft())
+            rows += len(unit.samples)
+            width = new_width
+        return admitted
+
+    def _step(self) -> None:
+        admitted = self._admit()
+        if admitted:
+            self._prefill(admitted)
+        if self._rows:
+            self._decode()
+
+    def _prefill(self, units: list[_Prefill]) -> None:
+        want_routes = any(s.request.return_routed_experts for u in units for s in u.samples)
+        out, kv = self.runner.prefill([u.context for u in units], want_routes)
+        expand = [i for i, u in enumerate(units) for _ in u.samples]
+        samples = [s for u in units for s in u.samples]
+        if want_routes:
+            assert out.routes is not None
+            width = out.routes.shape[1]
+            for i, unit in enumerate(units):
+                real = out.routes[i, width - len(unit.context):].to(torch.int16)
+                for s in unit.samples:
+                    if s.request.return_routed_experts:
+                        s.route_chunks = [real]
+        logits = out.logits.index_select(0, torch.tensor(expand, device=out.logits.device))
+        self._sample_into(samples, logits, BatchSampling.build(
+            [s.sampling for s in samples], logits.device))
+        keep = [k for k, s in enumerate(samples) if s.finish is None]
+        new_rows = kv.select([expand[k] for k in keep])
+        self._retire(samples)
+        self._settle(compact=True)
+        merged = new_rows if self.runner.batch is None else self.runner.batch.concat(new_rows)
+        self._set_rows(self._rows + [samples[k] for k in keep])
+        self.runner.set_batch(merged)
+
+    def _decode(self) -> None:
+        rows = self._rows  # finished rows stay until compaction; their results are ignored
+        want_routes = any(s.request.return_routed_experts and s.finish is None for s in rows)
+        out = self.runner.decode([s.output_ids[-1] for s in rows], want_routes)
+        if out.routes is not None:
+            for i, s in enumerate(rows):
+                if s.request.return_routed_experts and s.finish is None:
+                    s.route_chunks.append(out.routes[i].to(torch.int16))
+        if self._rows_sampling is None:
+            self._rows_sampling = BatchSampling.build([s.sampling for s in rows],
+                                                      out.logits.device)
+        self._sample_into(rows, out.logits, self._rows_sampling)
+        self._settle()
+
+    def _set_rows(self, rows: list[Sample]) -> None:
+        self._rows = rows
+        self._rows_sampling = None
+
+    def _sample_into(self, samples: list[Sample], logits: torch.Tensor,
+                     batch: BatchSampling) -> None:
+        banned = {i: tuple(s.stop_ids) for i, s in enumerate(samples)
+                  if len(s.output_ids) < s.request.params.min_new_tokens and s.stop_ids}
+        tokens, logprobs = sample_next(logits, batch, self._generator, banned)
+        for s, tok, lp in zip(samples, tokens.tolist(), logprobs.tolist()):
+            if s.finish is not None:
+                continue
+            s.output_ids.append(tok)
+            s.logprobs.append(lp)
+            if tok in s.stop_ids:
+                s.finish = {"type": "stop", "matched": tok}
+            elif len(s.output_ids) >= s.max_new_tokens:
+                s.finish = {"type": "length", "length": len(s.output_ids)}
+
+    def _settle(self, compact: bool = False) -> None:
+        """Deliver finished rows' results; drop them from the batch once they are a quarter of
+        it (copying the KV cache for every finished row would cost more than decoding them)."""
+        dead = [s for s in self._rows if s.finish is not None]
+        if not dead:
+            return
+        self._retire(dead)
+        if compact or len(dead) * 4 >= len(self._rows):
+            keep = [i for i, s in enumerate(self._rows) if s.finish is None]
+            batch = self.runner.batch
+            self.runner.set_batch(batch.select(keep) if (batch is not None and keep) else None)
+            self._set_rows([self._rows[i] for i in keep])
+
+    def _retire(self, samples: list[Sample]) -> None:
+        """Stamp finished samples; resolve requests whose samples all finished."""
+        for s in samples:
+            if s.finish is not None and not s.weight_version:
+                s.weight_version = self.weight_version
+        for request in {id(s.request): s.request for s in samples}.values():
+            if all(s.finish is not None for s in request.samples) and not request.future.done():
+                request.future.set_result([self._result(s) for s in request.samples])
+
+    def _result(self, s: Sample) -> SampleResult:
+        req = s.request
+        routes = None
+        if req.return_routed_experts and s.route_chunks:
+            fed = len(req.prompt_ids) + len(s.output_ids) - 1
+            routes = torch.cat(s.route_chunks)[:fed][req.routed_experts_start_len:]
+        return SampleResult(
+            rid=req.rid, index=s.index, prompt_ids=req.prompt_ids, output_ids=s.output_ids,
+            logprobs=s.logprobs if req.return_logprob else None, finish_reason=s.finish or {},
+            weight_version=s.weight_version, routed_experts=routes,
+            e2e_latency=time.monotonic() - req.created)
+
+    def abort_requests(self, rid: str | None, message: str) -> int:
+        """Finish matching rows and waiting samples as aborted (engine thread only; others use
+        :meth:`abort`); returns how many."""
+        hit: list[Sample] = []
+        for unit in list(self._waiting):
+            if rid is None or unit.samples[0].request.rid == rid:
+                self._waiting.remove(unit)
+                hit.extend(unit.samples)
+        for s in self._rows:
+            if s.finish is None and (rid is None or s.request.rid == rid):
+                hit.append(s)
+        for s in hit:
+            s.finish = {"type": "abort", "message": message}
+        self._settle()
+        self._retire(hit)
+        return len(hit)
+
+    def _pause(self, mode: PauseMode) -> None:
+        if mode == "abort":
+            self.abort_requests(None, "aborted by pause_generation(mode=abort)")
+        elif mode == "retract":
+            self._settle(compact=True)
+            retracted = [_Prefill([s], s.request.prompt_ids + s.output_ids) for s in self._rows]
+            self._set_rows([])
+            self.runner.set_batch(None)
+            self._waiting.extendleft(reversed(retracted))
+        elif mode != "in_place":
+            raise ValueError(f"mode: {mode!r} must be one of abort, retract, in_place")
+        self.paused = True
+
+    def _resume(self) -> None:
+        self.paused = False
+
+    def release_memory(self, tags: list[str]) -> str:
+        """Give up memory while training runs (engine thread only); generation waits until
+        :meth:`resume_memory`. On GPU ``weights`` moves the model to host memory."""
+        unknown = sorted(set(tags) - set(MEMORY_TAGS))
+        if unknown:
+            raise ValueError(f"tags: unknown {unknown}; use {list(MEMORY_TAGS)} or null")
+        self._settle(compact=True)
+        if self._rows:
+            raise ValueError("requests are running: call /pause_generation (mode abort or "
+                             "retract) before releasing memory")
+        self.runner.set_batch(None)
+        if "weights" in tags and "weights" not in self.released:
+            self.runner.offload()
+        self.released |= set(tags)
+        return f"released {sorted(self.released)}"
+
+    def resume_memory(self, tags: list[str]) -> str:
+        """Take back what :meth:`release_memory` gave up (engine thread only)."""
+        if "weights" in tags and "weights" in self.released:
+            self.runner.reload()
+        self.released -= set(tags)
+        return f"still released: {sorted(self.released)}"
+
+    def _fail_all(self, err: Exception) -> None:
+        requests = {id(s.request): s.request for s in self._rows}
+        for unit in self._waiting:
+            requests.update({id(s.request): s.request for s in unit.samples})
+        self._set_rows([])
+        self._waiting = deque()
+        self.runner.set_batch(None)
+        for request in requests.values():
+            if not request.future.done():
+                request.future.set_exception(err)

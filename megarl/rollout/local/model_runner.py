@@ -1,0 +1,248 @@
+"""The embedded engine's model: an HF causal LM, a left-padded batched KV cache, MoE routes.
+
+Rows of the running batch share one KV cache tensor per layer, ``[rows, kv_heads, T, head_dim]``,
+left-padded: row i's real tokens are the last ``lengths[i]`` columns and the attention mask
+hides the padding. Rows join (after their prefill) by padding both sides to a common length and
+concatenating; finished rows are dropped and columns that became padding for every row are cut.
+Positions are passed explicitly per row so padding never shifts the rotary embedding.
+
+Routed experts are read by forward hooks on the MoE router modules (the classes transformers
+records as ``router_logits``), which return ``(logits, weights, expert indices)``: the indices
+actually used by the forward are recorded, one ``[tokens, top_k]`` tensor per MoE layer.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+def _router_class(model: nn.Module) -> type[nn.Module] | None:
+    """The module class whose output carries router logits (None for dense models)."""
+    recorder = getattr(model, "_can_record_outputs", None) or {}
+    target = recorder.get("router_logits")
+    if target is None:
+        return None
+    return getattr(target, "target_class", target)
+
+
+class RouterCapture:
+    """Forward hooks that record the experts chosen for every token while enabled."""
+
+    def __init__(self, model: nn.Module, top_k: int) -> None:
+        router_cls = _router_class(model)
+        self.routers = [m for m in model.modules()
+                        if router_cls is not None and isinstance(m, router_cls)]
+        self.top_k = top_k
+        self.enabled = False
+        self._records: list[torch.Tensor] = []
+        for module in self.routers:
+            module.register_forward_hook(self._hook)
+
+    @property
+    def num_layers(self) -> int:
+        """Number of MoE layers (0 for a dense model)."""
+        return len(self.routers)
+
+    def _hook(self, module: nn.Module, args: object, output: object) -> None:
+        if not self.enabled:
+            return
+        if isinstance(output, tuple) and len(output) >= 3:
+            indices = output[2]
+        else:
+            logits = output[0] if isinstance(output, tuple) else output
+            indices = logits.topk(self.top_k, dim=-1).indices
+        self._records.append(indices.reshape(-1, indices.shape[-1]).to("cpu", torch.int32))
+
+    def take(self, batch: int, seq: int) -> torch.Tensor:
+        """The recorded routes as ``[batch, seq, layers, top_k]`` int32; clears the record."""
+        records, self._records = self._records, []
+        if len(records) != self.num_layers:
+            raise RuntimeError(f"expected routes from {self.num_layers} MoE layers, got "
+                               f"{len(records)}")
+        return torch.stack(records, dim=1).view(batch, seq, self.num_layers, -1)
+
+
+@dataclass
+class KVBatch:
+    """Left-padded KV cache of a set of rows plus their attention mask and lengths."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    mask: torch.Tensor
+    """``[rows, T]`` long, 1 where a real token is cached."""
+    lengths: torch.Tensor
+    """``[rows]`` long: real tokens cached per row (= the next token's position)."""
+
+    @property
+    def rows(self) -> int:
+        """Number of rows."""
+        return int(self.mask.shape[0])
+
+    def select(self, index: list[int]) -> KVBatch:
+        """Keep (and possibly repeat) rows by index; cut columns that are padding for all."""
+        idx = torch.tensor(index, dtype=torch.long, device=self.mask.device)
+        mask = self.mask.index_select(0, idx)
+        start = int(self.mask.shape[1] - mask.sum(dim=1).max()) if index else 0
+        start = max(0, min(start, mask.shape[1]))
+        return KVBatch(
+            keys=[k.index_select(0, idx)[:, :, start:] for k in self.keys],
+            values=[v.index_select(0, idx)[:, :, start:] for v in self.values],
+            mask=mask[:, start:], lengths=self.lengths.index_select(0, idx.to("cpu")),
+        )
+
+    def concat(self, other: KVBatch) -> KVBatch:
+        """Rows of ``self`` followed by rows of ``other``, left-padded to a common length."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+
+        def pad(t: torch.Tensor, dim: int) -> torch.Tensor:
+            missing = width - t.shape[dim]
+            if missing == 0:
+                return t
+            shape = list(t.shape)
+            shape[dim] = missing
+            return torch.cat([t.new_zeros(shape), t], dim=dim)
+
+        return KVBatch(
+            keys=[torch.cat([pad(a, 2), pad(b, 2)]) for a, b in zip(self.keys, other.keys)],
+            values=[torch.cat([pad(a, 2), pad(b, 2)]) for a, b in zip(self.values, other.values)],
+            mask=torch.cat([pad(self.mask, 1), pad(other.mask, 1)]),
+            lengths=torch.cat([self.lengths, other.lengths]),
+        )
+
+
+@dataclass
+class ForwardOut:
+    """Last-position logits ``[rows, V]`` and, when recorded, routes ``[rows, seq, L, K]``."""
+
+    logits: torch.Tensor
+    routes: torch.Tensor | None
+
+
+class ModelRunner:
+    """Loads an HF causal LM and runs prefill / decode forwards on batches of rows."""
+
+    def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto",
+                 context_length: int | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.model_path = str(model_path)
+        self.device = torch.device(device)
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.dtype = _resolve_dtype(dtype, config, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        self.model.to(self.device).eval()
+        self.config = self.model.config
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.context_length = int(context_length or getattr(
+            self.config, "max_position_embeddings", 4096))
+        self.eos_token_ids = _eos_ids(self.model)
+        self.top_k = int(getattr(self.config, "num_experts_per_tok", 0) or 0)
+        self.router = RouterCapture(self.model, self.top_k)
+        params = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self.cache: object | None = None
+        self.batch: KVBatch | None = None
+
+    def offload(self) -> None:
+        """Move the weights to host memory (GPU only; a CPU model stays where it is)."""
+        if self.device.type != "cpu":
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+
+    def reload(self) -> None:
+        """Move the weights back to the model's device after :meth:`offload`."""
+        self.model.to(self.device)
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                 cache: object, routes: bool) -> tuple[torch.Tensor, object, torch.Tensor | None]:
+        self.router.enabled = routes and self.router.num_layers > 0
+        try:
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask,
+                             position_ids=positions.to(self.device), use_cache=True,
+                             logits_to_keep=1, **{self._cache_arg: cache})
+            captured = self.router.take(*ids.shape) if self.router.enabled else None
+        finally:
+            self.router.enabled = False
+            self.router._records = []
+        new_cache = getattr(out, "cache", None) or out.past_key_values
+        return out.logits[:, -1].float(), new_cache, captured
+
+    @torch.no_grad()
+    def prefill(self, contexts: list[list[int]], routes: bool) -> tuple[ForwardOut, KVBatch]:
+        """Run the prompts (left-padded into one batch); returns logits, routes and their KV."""
+        from transformers import DynamicCache
+
+        width = max(len(c) for c in contexts)
+        ids = torch.zeros(len(contexts), width, dtype=torch.long)
+        mask = torch.zeros(len(contexts), width, dtype=torch.long)
+        for i, ctx in enumerate(contexts):
+            ids[i, width - len(ctx):] = torch.tensor(ctx)
+            mask[i, width - len(ctx):] = 1
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        mask = mask.to(self.device)
+        logits, cache, captured = self._forward(ids, mask, positions, DynamicCache(), routes)
+        kv = [(layer[0], layer[1]) for layer in cache]
+        batch = KVBatch(keys=[k for k, _ in kv], values=[v for _, v in kv], mask=mask,
+                        lengths=torch.tensor([len(c) for c in contexts]))
+        return ForwardOut(logits, captured), batch
+
+    def set_batch(self, batch: KVBatch | None) -> None:
+        """Make ``batch`` the running batch (its KV becomes the decode cache)."""
+        from transformers import DynamicCache
+
+        self.batch = batch
+        self.cache = None
+        if batch is not None and batch.rows > 0:
+            # start from empty layers and hand them the tensors, instead of copying them in
+            empty = [(k[:, :, :0], v[:, :, :0]) for k, v in zip(batch.keys, batch.values)]
+            self.cache = DynamicCache(ddp_cache_data=empty)
+            for layer, k, v in zip(self.cache.layers, batch.keys, batch.values):
+                layer.keys, layer.values = k, v
+
+    @torch.no_grad()
+    def decode(self, tokens: list[int], routes: bool) -> ForwardOut:
+        """Feed one token per running row; returns next-token logits and the fed tokens' routes."""
+        batch = self.batch
+        assert batch is not None and self.cache is not None and len(tokens) == batch.rows
+        ones = torch.ones(batch.rows, 1, dtype=batch.mask.dtype, device=batch.mask.device)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)
+        ids = torch.tensor(tokens, dtype=torch.long).unsqueeze(1)
+        logits, self.cache, captured = self._forward(
+            ids, batch.mask, batch.lengths.unsqueeze(1), self.cache, routes)
+        batch.lengths = batch.lengths + 1
+        layers = list(self.cache)
+        batch.keys = [layer[0] for layer in layers]
+        batch.values = [layer[1] for layer in layers]
+        return ForwardOut(logits, captured)
+
+
+def _resolve_dtype(dtype: str, config: object, device: torch.device) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on GPU, float32 on CPU."""
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+        if isinstance(stored, torch.dtype):
+            return stored
+        dtype = str(stored or "bfloat16")
+    from megarl.rollout.weight_group import parse_dtype
+
+    return parse_dtype(dtype)
+
+
+def _eos_ids(model: nn.Module) -> tuple[int, ...]:
+    """EOS ids from the generation config (or the model config)."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)

@@ -1,0 +1,122 @@
+"""Next-token sampling for a batch of rows with per-row parameters, and the reported log-probs.
+
+Per row: stop tokens are masked to ``-inf`` until ``min_new_tokens`` (as SGLang's penalizer does),
+logits are divided by the temperature, the reported log-prob is ``log_softmax`` of that (SGLang's
+default), and the token is drawn from the distribution after top-k, top-p and min-p filtering
+(all three measured on the temperature-scaled probabilities, as SGLang's torch sampler does).
+Greedy rows (temperature 0 or top_k 1) take the arg-max and report ``log_softmax(logits)``.
+
+:class:`BatchSampling` holds the rows' settings as tensors; the engine builds it once per batch
+composition, so a decode step does no per-row Python work here beyond seeded rows' draws.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+LOGPROB_FLOOR = torch.finfo(torch.float32).min
+
+
+@dataclass(frozen=True)
+class RowSampling:
+    """The sampling settings of one batch row."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    generator: torch.Generator | None = None
+    """The row's own random stream (seeded requests); None draws from the engine's stream."""
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the row takes the arg-max."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class BatchSampling:
+    """The settings of every row of a batch, as tensors on the logits' device."""
+
+    temperatures: torch.Tensor
+    """``[B, 1]``; 1 for greedy rows."""
+    sampled: torch.Tensor | None
+    """Indices of the rows that sample (None when every row is greedy)."""
+    filtered: list[int]
+    """Positions within ``sampled`` whose top-k / top-p / min-p exclude tokens."""
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    generators: list[tuple[int, torch.Generator]]
+    """(position within ``sampled``, generator) of seeded rows."""
+
+    @classmethod
+    def build(cls, rows: Sequence[RowSampling], device: torch.device) -> BatchSampling:
+        """Collect the rows' settings."""
+        sampled = [i for i, r in enumerate(rows) if not r.greedy]
+        sub = [rows[i] for i in sampled]
+        filtered = [k for k, r in enumerate(sub) if r.top_k > 0 or r.top_p < 1 or r.min_p > 0]
+        temps = [1.0 if r.greedy else r.temperature for r in rows]
+        return cls(
+            temperatures=torch.tensor(temps, device=device).unsqueeze(1),
+            sampled=torch.tensor(sampled, device=device) if sampled else None,
+            filtered=filtered,
+            top_k=torch.tensor([sub[k].top_k for k in filtered], device=device),
+            top_p=torch.tensor([sub[k].top_p for k in filtered], device=device,
+                               dtype=torch.float64),
+            min_p=torch.tensor([sub[k].min_p for k in filtered], device=device,
+                               dtype=torch.float64),
+            generators=[(k, r.generator) for k, r in enumerate(sub) if r.generator is not None],
+        )
+
+
+def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the probabilities that top-k / top-p / min-p exclude; ``[B, V]`` -> ``[B, V]``.
+
+    ``top_k`` <= 0 keeps all; a token is kept by top-p when the mass strictly before it (in
+    descending order) is <= ``top_p``; min-p keeps tokens with ``p >= min_p * max(p)``.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    k = torch.where(top_k > 0, top_k, probs.shape[-1]).unsqueeze(1)
+    drop = (rank >= k) | (mass_before > top_p.unsqueeze(1))
+    drop |= sorted_probs < (min_p * sorted_probs[:, 0]).unsqueeze(1)
+    drop[:, 0] = False
+    kept = sorted_probs.masked_fill(drop, 0.0)
+    return torch.zeros_like(probs).scatter_(-1, order, kept)
+
+
+def sample_next(
+    logits: torch.Tensor, batch: BatchSampling, default_generator: torch.Generator,
+    banned: Mapping[int, Sequence[int]] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row of ``logits [B, V]``; returns (token ids [B], log-probs [B]) on
+    the CPU. ``banned`` maps a row to token ids masked out for this step."""
+    logits = logits.float()
+    if banned:
+        logits = logits.clone()
+        for row, ids in banned.items():
+            logits[row, list(ids)] = float("-inf")
+    log_probs = torch.log_softmax(logits / batch.temperatures, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if batch.sampled is not None:
+        kept = log_probs.index_select(0, batch.sampled).exp().double()
+        if batch.filtered:
+            rows = torch.tensor(batch.filtered, device=kept.device)
+            kept[rows] = filter_probs(kept[rows], batch.top_k, batch.top_p, batch.min_p)
+        uniforms = torch.rand(kept.shape[0], generator=default_generator, dtype=torch.float64)
+        for k, generator in batch.generators:
+            uniforms[k] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
+        cdf = kept.cumsum(dim=-1)
+        targets = uniforms.to(kept.device) * cdf[:, -1]
+        picks = torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
+        picks = torch.minimum(picks, (kept > 0).cumsum(-1).argmax(-1))
+        tokens[batch.sampled] = picks
+    chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).clamp(min=LOGPROB_FLOOR)
+    both = torch.stack([tokens.double(), chosen.double()]).cpu()  # one device sync per step
+    return both[0].long(), both[1].float()

@@ -1,0 +1,348 @@
+"""HTTP server of the embedded engine: the subset of SGLang's API that RL trainers use.
+
+``python -m megarl.rollout.local.server --model PATH --host 127.0.0.1 --port P`` (also
+``megarl serve``). Request and response shapes are SGLang's (see
+shared/reference/SGLANG_API.md), so megarl's SGLang client drives this server and real SGLang
+servers alike. Bad requests get HTTP 400 with ``{"object": "error", "message": ...}`` and the
+server keeps serving. Binds loopback unless told otherwise: ``/update_weights_from_tensor``
+unpickles its payload, as SGLang does, so the port must not face untrusted clients.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from megarl.rollout.interface import SamplingParams
+from megarl.rollout.local.engine import MEMORY_TAGS, LocalEngine
+from megarl.rollout.local.engine import Request as EngineRequest
+from megarl.rollout.local.model_runner import ModelRunner
+from megarl.rollout.local.protocol import BadRequest, Limits, parse_generate, sample_to_sglang
+from megarl.rollout.local.weight_updates import WeightReceiver
+
+logger = logging.getLogger(__name__)
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"object": "error", "message": message, "type": "BadRequestError",
+                         "param": None, "code": status}, status_code=status)
+
+
+def _outcome(success: bool, message: str) -> JSONResponse:
+    return JSONResponse({"success": success, "message": message},
+                        status_code=200 if success else 400)
+
+
+async def _body(request: Request, required: bool = True) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        if required:
+            raise BadRequest("the request body is empty; send a JSON object")
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"malformed JSON body: {err}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
+    if name not in body:
+        raise BadRequest(f"{name}: required field is missing")
+    if not isinstance(body[name], kind):
+        raise BadRequest(f"{name}: expected {getattr(kind, '__name__', kind)}")
+    return body[name]
+
+
+@dataclass
+class ServerState:
+    """What the endpoints share."""
+
+    engine: LocalEngine
+    receiver: WeightReceiver
+    tokenizer: Any
+    limits: Limits
+    model_path: str
+    args: dict[str, Any]
+
+
+def load_tokenizer(model_path: str) -> Any:
+    """The model directory's tokenizer, or None when it has none (token ids only)."""
+    path = Path(model_path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                             "tokenizer.model", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        logger.warning("no usable tokenizer in %s (%s); serving token ids only", model_path, err)
+        return None
+
+
+def _generation_routes(app: FastAPI, state: ServerState) -> None:
+    engine = state.engine
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        requests, as_list = parse_generate(await _body(request), state.limits, state.tokenizer)
+        if "weights" in engine.released:
+            raise BadRequest("weights are released (/release_memory_occupation); call "
+                             "/resume_memory_occupation first")
+        futures = [asyncio.wrap_future(engine.submit(r)) for r in requests]
+        try:
+            results = await asyncio.gather(*futures)
+        except asyncio.CancelledError:
+            for r in requests:
+                engine.abort(r.rid)
+            raise
+        out = [sample_to_sglang(s, r.params.n, state.tokenizer)
+               for r, samples in zip(requests, results) for s in samples]
+        return out if as_list else out[0]
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.alive else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not engine.alive:
+            return Response(status_code=503)
+        if engine.paused or engine.released:
+            return Response(status_code=200)
+        probe = EngineRequest(rid="health_generate", prompt_ids=[0],
+                              params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        try:
+            await asyncio.wait_for(asyncio.wrap_future(engine.submit(probe)), timeout=60)
+        except (TimeoutError, RuntimeError):
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if engine.busy:
+            return Response("Cache not flushed. Please check for pending requests.",
+                            status_code=400)
+        return Response("Cache flushed.", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await _body(request, required=False)
+        rid = None if body.get("abort_all") else body.get("rid")
+        if rid is None and not body.get("abort_all"):
+            raise BadRequest("rid: give the request id to abort, or abort_all=true")
+        await asyncio.wrap_future(engine.abort(str(rid) if rid is not None else None))
+        return Response(status_code=200)
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Any:
+        mode = (await _body(request, required=False)).get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest(f"mode: {mode!r} must be one of abort, retract, in_place")
+        await asyncio.wrap_future(engine.pause(mode))
+        return {"message": f"Generation paused ({mode}).", "status": 200}
+
+    @app.post("/continue_generation")
+    async def continue_generation() -> Any:
+        await asyncio.wrap_future(engine.resume())
+        return {"message": "Generation continued.", "status": 200}
+
+
+def _info_routes(app: FastAPI, state: ServerState) -> None:
+    engine = state.engine
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> Any:
+        runner = engine.runner
+        return {"model_path": state.model_path, "tokenizer_path": state.model_path,
+                "is_generation": True, "weight_version": engine.weight_version,
+                "preferred_sampling_params": None, "has_tokenizer": state.tokenizer is not None,
+                "vocab_size": runner.vocab_size, "context_length": runner.context_length,
+                "num_moe_layers": runner.router.num_layers, "moe_top_k": runner.top_k}
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> Any:
+        return {**state.args, "internal_states": [engine.load_state()],
+                "version": "megarl-embedded"}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Any:
+        return {"weight_version": engine.weight_version}
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> JSONResponse:
+        body = await _body(request)
+        version = str(_field(body, "new_version", (str, int)))
+
+        def apply() -> None:
+            if body.get("abort_all_requests"):
+                engine.abort_requests(None, "aborted for a weight version update")
+            engine.weight_version = version
+
+        await asyncio.wrap_future(engine.call(apply))
+        return _outcome(True, f"weight_version={version}")
+
+    @app.post("/release_memory_occupation")
+    async def release_memory(request: Request) -> JSONResponse:
+        tags = (await _body(request, required=False)).get("tags") or list(MEMORY_TAGS)
+        message = await asyncio.wrap_future(engine.call(lambda: engine.release_memory(tags)))
+        return _outcome(True, message)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(request: Request) -> JSONResponse:
+        tags = (await _body(request, required=False)).get("tags") or list(MEMORY_TAGS)
+        message = await asyncio.wrap_future(engine.call(lambda: engine.resume_memory(tags)))
+        if "weights" in tags:
+            await asyncio.to_thread(state.receiver.refresh)
+        return _outcome(True, message)
+
+
+def _weight_routes(app: FastAPI, state: ServerState) -> None:
+    receiver = state.receiver
+
+    @app.post("/init_weights_update_group")
+    async def init_group(request: Request) -> JSONResponse:
+        body = await _body(request)
+        args = (_field(body, "master_address", str), _field(body, "master_port", int),
+                int(body.get("rank_offset", 1)), _field(body, "world_size", int),
+                str(body.get("group_name", "weight_update_group")),
+                str(body.get("backend", "nccl")))
+        return _outcome(*await asyncio.to_thread(receiver.init_group, *args))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_group(request: Request) -> JSONResponse:
+        body = await _body(request, required=False)
+        name = str(body.get("group_name", "weight_update_group"))
+        return _outcome(*await asyncio.to_thread(receiver.destroy_group, name))
+
+    @app.post("/update_weights_from_distributed")
+    async def from_distributed(request: Request) -> JSONResponse:
+        body = await _body(request)
+        args = (_field(body, "names", list), _field(body, "dtypes", list),
+                _field(body, "shapes", list), str(body.get("group_name", "weight_update_group")),
+                body.get("weight_version"), bool(body.get("abort_all_requests", False)))
+        return _outcome(*await asyncio.to_thread(receiver.receive, *args))
+
+    @app.post("/update_weights_from_tensor")
+    async def from_tensor(request: Request) -> JSONResponse:
+        body = await _body(request)
+        args = (_field(body, "serialized_named_tensors", list), body.get("load_format"),
+                body.get("weight_version"), bool(body.get("abort_all_requests", False)))
+        return _outcome(*await asyncio.to_thread(receiver.from_serialized, *args))
+
+    @app.post("/update_weights_from_disk")
+    async def from_disk(request: Request) -> JSONResponse:
+        body = await _body(request)
+        args = (_field(body, "model_path", str), body.get("weight_version"),
+                bool(body.get("abort_all_requests", False)))
+        return _outcome(*await asyncio.to_thread(receiver.from_disk, *args))
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(request: Request) -> Any:
+        body = await _body(request, required=False) or dict(request.query_params)
+        name = _field(body, "name", str)
+        truncate = int(body.get("truncate_size", 100))
+        return await asyncio.to_thread(receiver.get, name, truncate)
+
+    @app.post("/weights_checker")
+    async def weights_checker(request: Request) -> JSONResponse:
+        body = await _body(request)
+        return _outcome(*await asyncio.to_thread(receiver.check, _field(body, "action", str)))
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The FastAPI application serving ``state``'s engine."""
+    app = FastAPI(title="megarl embedded rollout engine")
+
+    @app.exception_handler(BadRequest)
+    async def bad_request(request: Request, err: BadRequest) -> JSONResponse:
+        return _error(str(err))
+
+    @app.exception_handler(KeyError)
+    async def key_error(request: Request, err: KeyError) -> JSONResponse:
+        return _error(str(err.args[0]) if err.args else "unknown key")
+
+    @app.exception_handler(ValueError)
+    async def value_error(request: Request, err: ValueError) -> JSONResponse:
+        return _error(str(err))
+
+    _generation_routes(app, state)
+    _info_routes(app, state)
+    _weight_routes(app, state)
+    return app
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options (names follow ``sglang.launch_server`` where they overlap)."""
+    p = argparse.ArgumentParser(prog="megarl serve", description=__doc__.splitlines()[0])
+    p.add_argument("--model", "--model-path", dest="model", required=True,
+                   help="HF model directory (config.json + safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", default="auto", help="auto: checkpoint dtype on GPU, fp32 on CPU")
+    p.add_argument("--context-length", type=int, default=None,
+                   help="max prompt + response tokens (default: max_position_embeddings)")
+    p.add_argument("--max-running-requests", type=int, default=256,
+                   help="rows (samples) decoded together")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384,
+                   help="padded prompt tokens prefilled in one step")
+    p.add_argument("--weight-version", default="default")
+    p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="do not load a tokenizer; token ids in and out")
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--log-level", default="warning")
+    return p
+
+
+def create_state(args: argparse.Namespace) -> ServerState:
+    """Load the model and start the engine thread."""
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
+                         context_length=args.context_length)
+    engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
+                         max_prefill_tokens=args.max_prefill_tokens,
+                         weight_version=args.weight_version, seed=args.random_seed)
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model)
+    limits = Limits(runner.vocab_size, runner.context_length, runner.router.num_layers > 0)
+    state = ServerState(engine, WeightReceiver(engine), tokenizer, limits, args.model,
+                        {k: v for k, v in vars(args).items()})
+    engine.start()
+    return state
+
+
+def serve_main(argv: list[str]) -> int:
+    """``megarl serve``: load the model and serve it until interrupted."""
+    import uvicorn
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    if not Path(args.model, "config.json").exists():
+        print(f"--model {args.model}: no config.json there; pass an HF model directory",
+              file=sys.stderr)
+        return 2
+    state = create_state(args)
+    try:
+        uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        state.engine.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve_main(sys.argv[1:]))

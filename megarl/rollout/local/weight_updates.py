@@ -1,0 +1,187 @@
+"""The receiving half of weight updates in the embedded engine.
+
+Tensors arrive by broadcast over a weight-update process group (``/init_weights_update_group``
+then one ``/update_weights_from_distributed`` per bucket), as serialized tensors
+(``/update_weights_from_tensor``) or from an HF directory (``/update_weights_from_disk``).
+Receiving happens on the caller's thread; the copy into the model happens on the engine thread
+between generation steps (:meth:`LocalEngine.call`), so no forward sees half a bucket.
+Every method returns ``(success, message)`` like SGLang's endpoints.
+"""
+
+from __future__ import annotations
+
+import base64
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.rollout.local.engine import LocalEngine
+from megarl.rollout.local.weights import (
+    UnknownWeight,
+    WeightMap,
+    WeightsChecker,
+    iter_safetensors,
+)
+from megarl.rollout.weight_group import (
+    close_weight_update_group,
+    open_weight_update_group,
+    parse_dtype,
+)
+
+Outcome = tuple[bool, str]
+
+
+class WeightReceiver:
+    """Weight-update groups and loaders for one embedded engine."""
+
+    def __init__(self, engine: LocalEngine) -> None:
+        self.engine = engine
+        self.weights = WeightMap(engine.runner.model)
+        self.checker = WeightsChecker(self.weights)
+        self.groups: dict[str, dist.ProcessGroup] = {}
+
+    def refresh(self) -> None:
+        """Re-resolve weight views after the model's tensors moved (memory resume)."""
+        self.weights = WeightMap(self.engine.runner.model)
+        self.checker = WeightsChecker(self.weights)
+
+    def _on_engine(self, fn: Any) -> Any:
+        return self.engine.call(fn).result()
+
+    def _unknown(self, names: Sequence[str]) -> list[str]:
+        unknown = []
+        for name in names:
+            try:
+                self.weights.view(name)
+            except UnknownWeight:
+                unknown.append(name)
+        return unknown
+
+    def _apply(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None,
+               abort_all: bool = False) -> Outcome:
+        """Load tensors on the engine thread and stamp the new weight version."""
+        unknown = self._unknown([n for n, _ in named])
+        if unknown:
+            return False, (f"{len(unknown)} unknown weight names, e.g. {unknown[:3]}; the model "
+                           f"has e.g. {self.weights.checkpoint_names()[:3]}")
+
+        def load() -> int:
+            if abort_all:
+                self.engine.abort_requests(None, "aborted for a weight update")
+            count = self.weights.load_many(named)
+            if weight_version is not None:
+                self.engine.weight_version = str(weight_version)
+            return count
+
+        try:
+            count = self._on_engine(load)
+        except ValueError as err:
+            return False, str(err)
+        return True, f"updated {count} tensors; weight_version={self.engine.weight_version}"
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int,
+                   world_size: int, group_name: str, backend: str) -> Outcome:
+        """Join the sender's group as rank ``rank_offset`` (this engine has one rank)."""
+        if group_name in self.groups:
+            return False, (f"group_name {group_name!r} already exists; destroy it first or use "
+                           "another name")
+        if self.engine.runner.device.type == "cpu":
+            backend = "gloo"
+        try:
+            group = open_weight_update_group(master_address, int(master_port), int(rank_offset),
+                                             int(world_size), group_name, backend)
+        except RuntimeError as err:  # rendezvous timeout, refused connection, bad world size
+            return False, (f"could not join {group_name} at {master_address}:{master_port} as "
+                           f"rank {rank_offset} of {world_size}: {err}; check that the sender "
+                           "(rank 0) joins at the same time with the same address and size")
+        self.groups[group_name] = group
+        return True, f"joined {group_name} as rank {rank_offset} of {world_size} ({backend})"
+
+    def destroy_group(self, group_name: str) -> Outcome:
+        """Leave and destroy a weight-update group."""
+        group = self.groups.pop(group_name, None)
+        if group is None:
+            return False, f"group_name {group_name!r} does not exist"
+        close_weight_update_group(group)
+        return True, f"destroyed {group_name}"
+
+    def receive(self, names: Sequence[str], dtypes: Sequence[str],
+                shapes: Sequence[Sequence[int]], group_name: str,
+                weight_version: str | None, abort_all: bool) -> Outcome:
+        """Receive one broadcast bucket (sender = rank 0), then load it."""
+        if not len(names) == len(dtypes) == len(shapes):
+            return False, (f"names, dtypes and shapes must have equal lengths (got {len(names)}, "
+                           f"{len(dtypes)}, {len(shapes)})")
+        group = self.groups.get(group_name)
+        if group is None:
+            return False, (f"group_name {group_name!r} does not exist; call "
+                           "/init_weights_update_group first")
+        device = self.engine.runner.device
+        torch_dtypes = [parse_dtype(d) for d in dtypes]
+        received = []
+        try:
+            for name, dtype, shape in zip(names, torch_dtypes, shapes):
+                tensor = torch.empty(tuple(shape), dtype=dtype, device=device)
+                dist.broadcast(tensor, src=0, group=group)
+                received.append((name, tensor))
+        except RuntimeError as err:  # the sender died or timed out mid-bucket
+            return False, (f"broadcast of {name} in {group_name} failed after "
+                           f"{len(received)} of {len(names)} tensors: {err}")
+        return self._apply(received, weight_version, abort_all)
+
+    def from_serialized(self, serialized: Sequence[str], load_format: str | None,
+                        weight_version: str | None, abort_all: bool) -> Outcome:
+        """Load tensors serialized as base64 pickles (SGLang's ``MultiprocessingSerializer``)."""
+        if not serialized:
+            return False, "serialized_named_tensors: empty; give one entry per TP rank"
+        payload = pickle.loads(base64.b64decode(serialized[0]))
+        if load_format == "flattened_bucket":
+            named = _unflatten(payload)
+        elif load_format in (None, "direct", "default"):
+            named = [(str(n), t) for n, t in payload]
+        else:
+            return False, (f"load_format {load_format!r} is not supported; use null or "
+                           "flattened_bucket")
+        return self._apply(named, weight_version, abort_all)
+
+    def from_disk(self, model_path: str, weight_version: str | None,
+                  abort_all: bool) -> Outcome:
+        """Reload every tensor of an HF directory's safetensors files."""
+        try:
+            named = list(iter_safetensors(model_path))
+        except FileNotFoundError as err:
+            return False, str(err)
+        return self._apply(named, weight_version, abort_all)
+
+    def get(self, name: str, truncate_size: int) -> list[Any]:
+        """The first ``truncate_size`` rows of a weight, as float32 nested lists."""
+        return self._on_engine(
+            lambda: self.weights.view(name)[:truncate_size].float().cpu().tolist())
+
+    def check(self, action: str) -> Outcome:
+        """``snapshot`` | ``reset_tensors`` | ``compare``."""
+        actions = {"snapshot": lambda: (True, self.checker.snapshot()),
+                   "reset_tensors": lambda: (True, self.checker.reset_tensors()),
+                   "compare": self.checker.compare}
+        if action not in actions:
+            return False, f"action {action!r} must be one of {sorted(actions)}"
+        return self._on_engine(actions[action])
+
+
+def _unflatten(payload: Any) -> list[tuple[str, torch.Tensor]]:
+    """A flattened bucket ``{"flattened_tensor", "metadata": [{name, shape, dtype, start_idx,
+    end_idx}]}`` (attribute objects or dicts) -> named tensors."""
+    def get(obj: Any, key: str) -> Any:
+        return obj[key] if isinstance(obj, dict) else getattr(obj, key)
+
+    flat = get(payload, "flattened_tensor")
+    out = []
+    for meta in get(payload, "metadata"):
+        dtype = get(meta, "dtype")
+        dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
+        piece = flat[get(meta, "start_idx"):get(meta, "end_idx")]
+        out.append((get(meta, "name"), piece.view(dtype).reshape(tuple(get(meta, "shape")))))
+    return out

@@ -1,0 +1,158 @@
+"""Writing weights into a live HF model by checkpoint (HF) name, in place.
+
+transformers 5 stores some tensors differently from their checkpoints: MoE experts are fused
+into 3-D ``gate_up_proj`` / ``down_proj`` parameters while checkpoints (and the trainer's
+Megatron -> HF stream) name every expert separately (``...experts.3.gate_proj.weight``).
+:class:`WeightMap` resolves each checkpoint name to a writable *view* of the live parameter,
+found by running transformers' own reverse conversion on a tensor of element indices: every
+conversion transformers uses for these models only rearranges elements, so the indices that
+come out say exactly where each checkpoint tensor lives, and are checked to form a strided view.
+Names of the live parameters themselves (``model.state_dict()``) are accepted as well.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class UnknownWeight(KeyError):
+    """A weight name that is neither a checkpoint name nor a parameter of the model."""
+
+
+def _strided_spec(index: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """(size, stride, offset) such that ``flat.as_strided(...) == index``, or None."""
+    if index.numel() == 0:
+        return None
+    offset = int(index.reshape(-1)[0])
+    strides = []
+    for dim, size in enumerate(index.shape):
+        if size == 1:
+            strides.append(1)
+            continue
+        unit = [0] * index.dim()
+        unit[dim] = 1
+        strides.append(int(index[tuple(unit)]) - offset)
+    size = tuple(index.shape)
+    probe = torch.arange(offset + 1 + sum((s - 1) * abs(st) for s, st in zip(size, strides)))
+    if any(st < 0 for st in strides):
+        return None
+    if not torch.equal(probe.as_strided(size, strides, offset), index):
+        return None
+    return size, tuple(strides), offset
+
+
+class WeightMap:
+    """Checkpoint name -> writable view of a live parameter, for one model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        self._live: dict[str, torch.Tensor] = {
+            name: t for name, t in model.state_dict(keep_vars=True).items()
+        }
+        self._specs: dict[str, tuple[str, tuple[int, ...], tuple[int, ...], int]] = {}
+        for name, tensor in self._live.items():
+            if not tensor.is_contiguous():
+                raise ValueError(f"parameter {name} is not contiguous; the embedded engine "
+                                 "writes weights through strided views of contiguous tensors")
+            index = torch.arange(tensor.numel()).view(tensor.shape)
+            reverted = revert_weight_conversion(model, {name: index})
+            for ckpt_name, ckpt_index in reverted.items():
+                spec = _strided_spec(ckpt_index)
+                if spec is None:
+                    raise ValueError(f"checkpoint tensor {ckpt_name} is not a strided view of "
+                                     f"parameter {name}; this model's weight conversion is not "
+                                     "supported by the embedded engine")
+                self._specs[ckpt_name] = (name, *spec)
+
+    def checkpoint_names(self) -> list[str]:
+        """Names as they appear in the model's HF checkpoint (what trainers send)."""
+        return list(self._specs)
+
+    def view(self, name: str) -> torch.Tensor:
+        """The live tensor (a view) behind a checkpoint or parameter name."""
+        if name in self._specs:
+            live_name, size, stride, offset = self._specs[name]
+            live = self._live[live_name].data
+            return live.as_strided(size, stride, live.storage_offset() + offset)
+        if name in self._live:
+            return self._live[name].data
+        raise UnknownWeight(f"weight {name!r} is not a checkpoint name or parameter of the "
+                            f"model (e.g. {self.checkpoint_names()[:3]})")
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` into the weight called ``name`` (shapes must match)."""
+        target = self.view(name)
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"weight {name}: got shape {tuple(tensor.shape)}, the model has "
+                             f"{tuple(target.shape)}")
+        target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+
+    def live_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every live parameter and buffer of the model by its own name (tied ones once)."""
+        seen: set[int] = set()
+        for name, tensor in self._live.items():
+            if id(tensor) not in seen:
+                seen.add(id(tensor))
+                yield name, tensor.data
+
+    def load_many(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Load every (name, tensor); returns how many were loaded."""
+        count = 0
+        for name, tensor in named:
+            self.load(name, tensor)
+            count += 1
+        return count
+
+
+def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every ``*.safetensors`` file in an HF model directory."""
+    from safetensors import safe_open
+
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"model_path {model_dir}: no *.safetensors files found; pass an "
+                                "HF model directory saved with safe_serialization=True")
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118  (safe_open is not a dict)
+                yield key, f.get_tensor(key)
+
+
+class WeightsChecker:
+    """SGLang's ``/weights_checker``: snapshot, scramble, compare after a weight sync."""
+
+    def __init__(self, weights: WeightMap) -> None:
+        self._weights = weights
+        self._snapshot: dict[str, torch.Tensor] | None = None
+
+    def snapshot(self) -> str:
+        """Keep a copy of every live tensor."""
+        self._snapshot = {n: t.detach().clone() for n, t in self._weights.live_tensors()}
+        return f"snapshot of {len(self._snapshot)} tensors taken"
+
+    @torch.no_grad()
+    def reset_tensors(self) -> str:
+        """Overwrite every floating-point tensor with random values."""
+        count = 0
+        for _, tensor in self._weights.live_tensors():
+            if tensor.is_floating_point():
+                tensor.normal_()
+                count += 1
+        return f"{count} tensors overwritten with random values"
+
+    def compare(self) -> tuple[bool, str]:
+        """Whether every live tensor equals the snapshot; the message names the differing ones."""
+        if self._snapshot is None:
+            return False, "no snapshot: call weights_checker with action=snapshot first"
+        differing = [n for n, t in self._weights.live_tensors()
+                     if not torch.equal(t, self._snapshot[n])]
+        if differing:
+            return False, (f"{len(differing)} of {len(self._snapshot)} tensors differ from the "
+                           f"snapshot, e.g. {differing[:5]}")
+        return True, f"all {len(self._snapshot)} tensors equal the snapshot"

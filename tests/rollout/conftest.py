@@ -1,0 +1,53 @@
+"""Fixtures: tiny Qwen3-MoE models and real embedded servers on 127.0.0.1 (one per session)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.local.launch import launch_local_engines
+from megarl.rollout.process import ManagedServer
+
+CONTEXT_LENGTH = 512  # max_position_embeddings of the tiny models
+
+torch.set_num_threads(1)
+
+
+def _serve(model_dir: Path, log_dir: Path) -> Iterator[ManagedServer]:
+    servers = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=log_dir,
+                                   extra_args=["--random-seed", "0"], ready_timeout_s=120)
+    try:
+        yield servers[0]
+    finally:
+        servers[0].stop()
+
+
+@pytest.fixture(scope="session")
+def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3-MoE with a tokenizer (seed 0)."""
+    return make_tiny_model(tmp_path_factory.mktemp("moe") / "model", arch="qwen3_moe", seed=0)
+
+
+@pytest.fixture(scope="session")
+def server(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]:
+    """An embedded server on ``moe_dir``, shared by the read-only tests."""
+    yield from _serve(moe_dir, tmp_path_factory.mktemp("server_logs"))
+
+
+@pytest.fixture(scope="session")
+def hf_model(moe_dir: Path) -> torch.nn.Module:
+    """The same model loaded by plain transformers (the reference)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    """A few prompts of different lengths (token ids of the tiny vocabulary, no EOS)."""
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(5, 128, (n,), generator=gen).tolist() for n in (3, 7, 12, 20)]

@@ -1,0 +1,151 @@
+"""Abort, pause/continue, health and bad input against a real embedded server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from megarl.rollout.interface import SamplingParams
+from megarl.rollout.sglang.client import EngineError, SGLangClient
+
+CONTEXT_LENGTH = 512  # max_position_embeddings of the tiny models
+
+LONG = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
+
+
+async def _running(url: str, count: int = 1, timeout_s: float = 10.0) -> None:
+    """Wait until the server reports ``count`` running samples."""
+    async with httpx.AsyncClient() as http:
+        for _ in range(int(timeout_s / 0.02)):
+            info = (await http.get(url + "/get_server_info")).json()
+            if info["internal_states"][0]["num_running_reqs"] >= count:
+                return
+            await asyncio.sleep(0.02)
+    raise AssertionError("the request never started running")
+
+
+def test_abort_of_a_running_request(server, prompts):
+    async def scenario():
+        client = SGLangClient([server.url])
+        try:
+            task = asyncio.create_task(client.generate([prompts[0]], LONG, rids=["long-1"]))
+            await _running(server.url)
+            await client.abort("long-1")
+            (sample,) = await asyncio.wait_for(task, 10)
+            return sample
+        finally:
+            await client.close()
+
+    sample = asyncio.run(scenario())
+    assert sample.finish_reason == "abort"
+    assert 0 < len(sample.response_ids) < 400
+    assert len(sample.log_probs) == len(sample.response_ids)
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_pause_then_continue_finishes_the_same_tokens(server, prompts, mode):
+    params = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
+
+    async def scenario():
+        client = SGLangClient([server.url])
+        try:
+            (reference,) = await client.generate([prompts[2]], params)
+            task = asyncio.create_task(client.generate([prompts[2]], params))
+            await _running(server.url)
+            await client.pause(mode)
+            late = asyncio.create_task(client.generate([prompts[3]], params))
+            await asyncio.sleep(0.5)
+            assert not task.done() and not late.done()  # nothing advances while paused
+            await client.resume()
+            (sample,) = await asyncio.wait_for(task, 30)
+            await asyncio.wait_for(late, 30)
+            return reference, sample
+        finally:
+            await client.close()
+
+    reference, sample = asyncio.run(scenario())
+    assert sample.finish_reason == "length"
+    assert sample.response_ids == reference.response_ids
+
+
+def test_pause_with_abort_mode_returns_partial_samples(server, prompts):
+    async def scenario():
+        client = SGLangClient([server.url])
+        try:
+            task = asyncio.create_task(client.generate([prompts[0]], LONG))
+            await _running(server.url)
+            await client.pause("abort")
+            (sample,) = await asyncio.wait_for(task, 10)
+            await client.resume()
+            return sample
+        finally:
+            await client.close()
+
+    sample = asyncio.run(scenario())
+    assert sample.finish_reason == "abort" and len(sample.response_ids) < 400
+
+
+BAD_BODIES = {
+    "prompt longer than the context": ({"input_ids": [5] * CONTEXT_LENGTH}, "context length"),
+    "empty prompt": ({"input_ids": []}, "empty"),
+    "token id >= vocab": ({"input_ids": [5, 128]}, "outside the vocabulary"),
+    "negative token id": ({"input_ids": [-1]}, "outside the vocabulary"),
+    "max_new_tokens = 0": ({"input_ids": [5], "sampling_params": {"max_new_tokens": 0}},
+                           "max_new_tokens"),
+    "max_new_tokens < 0": ({"input_ids": [5], "sampling_params": {"max_new_tokens": -3}},
+                           "max_new_tokens"),
+    "unknown sampling field": ({"input_ids": [5], "sampling_params": {"temprature": 1}},
+                               "temprature"),
+    "top_p out of range": ({"input_ids": [5], "sampling_params": {"top_p": 0}}, "top_p"),
+    "float token ids": ({"input_ids": [5.5]}, "integer"),
+    "no prompt": ({"sampling_params": {}}, "input_ids"),
+    "stop strings": ({"input_ids": [5], "sampling_params": {"stop": ["x"]}}, "stop"),
+    "streaming": ({"input_ids": [5], "stream": True}, "stream"),
+}
+
+
+def test_bad_inputs_get_400_and_the_server_keeps_serving(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for label, (body, needle) in BAD_BODIES.items():
+            r = http.post("/generate", json=body)
+            assert r.status_code == 400, label
+            assert needle in r.json()["message"], (label, r.json())
+        for raw in (b"{not json", b"[1, 2]", b""):
+            r = http.post("/generate", content=raw)
+            assert r.status_code == 400 and r.json()["message"], raw
+        assert http.post("/abort_request", json={}).status_code == 400
+        assert http.post("/pause_generation", json={"mode": "sideways"}).status_code == 400
+        assert http.post("/get_weights_by_name", json={"name": "nope"}).status_code == 400
+        r = http.post("/weights_checker", json={"action": "explode"})
+        assert r.status_code == 400 and r.json()["success"] is False
+        ok = http.post("/generate", json={"input_ids": [5, 6],
+                                          "sampling_params": {"max_new_tokens": 3}})
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 3
+        assert http.get("/health").status_code == 200
+        assert http.get("/health_generate").status_code == 200
+
+
+def test_client_raises_engine_errors_with_the_server_message(server):
+    async def scenario():
+        client = SGLangClient([server.url])
+        try:
+            await client.generate([[5] * CONTEXT_LENGTH], SamplingParams(max_new_tokens=2))
+        finally:
+            await client.close()
+
+    with pytest.raises(EngineError, match="context length"):
+        asyncio.run(scenario())
+
+
+def test_text_prompts_info_and_flush(server):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        r = http.post("/generate", json={"text": "12+3=", "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0}})
+        assert r.status_code == 200 and isinstance(r.json()["text"], str)
+        assert r.json()["meta_info"]["prompt_tokens"] == 5
+        info = http.get("/get_model_info").json()
+        assert info["is_generation"] and info["num_moe_layers"] == 2 and info["moe_top_k"] == 2
+        assert http.get("/get_weight_version").json() == {"weight_version": "default"}
+        assert http.post("/flush_cache").status_code == 200

@@ -1,0 +1,121 @@
+"""Launch command lines, the missing-sglang error, and restarting dead server processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from megarl.rollout.local.launch import build_local_command
+from megarl.rollout.process import ManagedServer, ServerStartError, ServerSupervisor, free_port
+from megarl.rollout.sglang.launcher import (
+    SGLangLaunchConfig,
+    SGLangNotInstalled,
+    build_router_command,
+    build_sglang_command,
+    launch_sglang_engines,
+    require_module,
+)
+
+
+def test_sglang_command_line_has_the_rl_flags():
+    cfg = SGLangLaunchConfig(
+        model_path="/ckpt/Qwen3-30B-A3B", host="10.0.0.5", port=30010, tp_size=4, ep_size=4,
+        mem_fraction_static=0.75, enable_memory_saver=True, enable_return_routed_experts=True,
+        load_format="dummy", weight_version="0", skip_server_warmup=True, base_gpu_id=4,
+        nccl_port=31000, extra_args=("--chunked-prefill-size", "8192"))
+    assert build_sglang_command(cfg, python="/venv/bin/python") == [
+        "/venv/bin/python", "-m", "sglang.launch_server", "--model-path", "/ckpt/Qwen3-30B-A3B",
+        "--host", "10.0.0.5", "--port", "30010", "--tp-size", "4", "--ep-size", "4",
+        "--mem-fraction-static", "0.75", "--load-format", "dummy", "--weight-version", "0",
+        "--nccl-port", "31000", "--base-gpu-id", "4", "--enable-memory-saver",
+        "--skip-tokenizer-init", "--enable-return-routed-experts", "--skip-server-warmup",
+        "--chunked-prefill-size", "8192"]
+
+
+def test_sglang_multi_node_command_and_its_validation():
+    cfg = SGLangLaunchConfig(model_path="/m", tp_size=16, nnodes=2, node_rank=1,
+                             dist_init_addr="10.0.0.1:5000", mem_fraction_static=None,
+                             skip_tokenizer_init=False, enable_dp_attention=True, dp_size=2)
+    assert build_sglang_command(cfg, python="py") == [
+        "py", "-m", "sglang.launch_server", "--model-path", "/m", "--host", "127.0.0.1",
+        "--port", "30000", "--tp-size", "16", "--dp-size", "2", "--nnodes", "2",
+        "--node-rank", "1", "--dist-init-addr", "10.0.0.1:5000", "--enable-dp-attention"]
+    with pytest.raises(ValueError, match="dist_init_addr"):
+        build_sglang_command(SGLangLaunchConfig(model_path="/m", nnodes=2))
+
+
+def test_router_and_local_command_lines():
+    assert build_router_command(["http://a:1", "http://b:2"], port=8000, python="py") == [
+        "py", "-m", "sglang_router.launch_router", "--worker-urls", "http://a:1", "http://b:2",
+        "--policy", "cache_aware", "--host", "127.0.0.1", "--port", "8000"]
+    with pytest.raises(ValueError, match="policy"):
+        build_router_command(["http://a:1"], policy="fastest")
+    assert build_local_command("/m", port=9, num_threads=2, python="py") == [
+        "py", "-m", "megarl.rollout.local.server", "--model", "/m", "--host", "127.0.0.1",
+        "--port", "9", "--num-threads", "2"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is not None, reason="sglang installed")
+def test_missing_sglang_says_how_to_install_it(tmp_path):
+    with pytest.raises(SGLangNotInstalled, match=r"pip install \"sglang\[all\]"):
+        require_module("sglang")
+    with pytest.raises(SGLangNotInstalled, match="rollout.backend=local"):
+        launch_sglang_engines([SGLangLaunchConfig(model_path="/m")], log_dir=tmp_path)
+    assert not (tmp_path / "sglang_0.log").exists()  # nothing was started
+    other = tmp_path / "python"  # another interpreter path is probed in a subprocess
+    other.symlink_to(sys.executable)
+    require_module("json", python=str(other))
+    with pytest.raises(SGLangNotInstalled, match=str(other)):
+        require_module("sglang", python=str(other))
+
+
+HEALTH_SERVER = textwrap.dedent("""
+    import http.server, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+        def log_message(self, *args):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_supervisor_restarts_a_dead_server(tmp_path):
+    port = free_port()
+    server = ManagedServer([sys.executable, "-c", HEALTH_SERVER, str(port)],
+                           f"http://127.0.0.1:{port}", name="toy", log_path=tmp_path / "toy.log")
+    server.start()
+    restarted = threading.Event()
+    supervisor = ServerSupervisor([server], poll_s=0.1, ready_timeout_s=20,
+                                  on_restart=lambda i: restarted.set())
+    try:
+        server.wait_ready(20)
+        first_pid = server.process.pid
+        supervisor.start()
+        os.kill(first_pid, signal.SIGKILL)
+        assert restarted.wait(20)
+        assert server.restarts == 1 and server.process.pid != first_pid and server.healthy()
+    finally:
+        supervisor.stop()
+        server.stop()
+    assert not server.alive
+
+
+def test_a_server_that_exits_reports_its_log(tmp_path):
+    script = "import sys; print('bad flag --foo'); sys.exit(3)"
+    server = ManagedServer([sys.executable, "-c", script], f"http://127.0.0.1:{free_port()}",
+                           name="broken", log_path=tmp_path / "broken.log")
+    server.start()
+    start = time.monotonic()
+    with pytest.raises(ServerStartError, match="exited with code 3(.|\n)*bad flag --foo"):
+        server.wait_ready(20)
+    assert time.monotonic() - start < 10
+    server.stop()

@@ -1,0 +1,154 @@
+"""Weight updates into a running embedded server: broadcast over gloo, tensors, disk, checker.
+
+The server serves model A (seed 0, no tokenizer files); the updates carry model B (seed 1).
+The test process plays the trainer: it is rank 0 of the weight-update group and broadcasts B's
+tensors (by checkpoint name, per-expert) while the client's update call is in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import pickle
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.distributed as dist
+
+from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.interface import SamplingParams
+from megarl.rollout.local.launch import launch_local_engines
+from megarl.rollout.local.weights import iter_safetensors
+from megarl.rollout.process import free_port
+from megarl.rollout.sglang.client import EngineError, SGLangClient
+from megarl.rollout.weight_group import close_weight_update_group, open_weight_update_group
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+EXPERT = "model.layers.1.mlp.experts.2.gate_proj.weight"
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("weights")
+    a = make_tiny_model(root / "a", arch="qwen3_moe", seed=0, with_tokenizer=False)
+    b = make_tiny_model(root / "b", arch="qwen3_moe", seed=1, with_tokenizer=False)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def url(dirs, tmp_path_factory):
+    (server,) = launch_local_engines(str(dirs[0]), 1, num_threads=1,
+                                     log_dir=tmp_path_factory.mktemp("logs"),
+                                     ready_timeout_s=120)
+    yield server.url
+    server.stop()
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return [model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            for p in prompts]
+
+
+async def broadcast_update(client: SGLangClient, tensors: list[tuple[str, torch.Tensor]],
+                           version: str) -> None:
+    """Rank 0 joins a gloo group with the engine and sends ``tensors`` in two buckets."""
+    port = free_port()
+    group, _ = await asyncio.gather(
+        asyncio.to_thread(open_weight_update_group, "127.0.0.1", port, 0, 2, "wug", "gloo"),
+        client.init_weights_update_group("127.0.0.1", port, 2, "wug", "gloo"))
+    try:
+        half = len(tensors) // 2
+        for bucket in (tensors[:half], tensors[half:]):
+            def send(bucket=bucket) -> None:
+                for _, tensor in bucket:
+                    dist.broadcast(tensor, src=0, group=group)
+
+            await asyncio.gather(asyncio.to_thread(send), client.update_weights_from_distributed(
+                [n for n, _ in bucket], [str(t.dtype) for _, t in bucket],
+                [list(t.shape) for _, t in bucket], group_name="wug", weight_version=version))
+        # an unknown name fails the call, but the sender is not left hanging
+        bogus = torch.ones(3)
+        with pytest.raises(EngineError, match="unknown weight names"):
+            await asyncio.gather(
+                asyncio.to_thread(dist.broadcast, bogus, 0, group),
+                client.update_weights_from_distributed(["bogus.weight"], ["float32"], [[3]],
+                                                       group_name="wug"))
+    finally:
+        await client.destroy_weights_update_group("wug")
+        close_weight_update_group(group)
+
+
+def test_broadcast_update_changes_weights_and_generations(url, dirs):
+    a_dir, b_dir = dirs
+    prompts = [[5, 9, 30], [70, 71, 72, 73, 74, 75]]
+    ref_a, ref_b = hf_greedy(a_dir, prompts), hf_greedy(b_dir, prompts)
+    assert ref_a != ref_b
+    b_tensors = list(iter_safetensors(b_dir))
+
+    async def scenario():
+        client = SGLangClient([url])
+        try:
+            before = await client.generate(prompts, GREEDY)
+            await broadcast_update(client, b_tensors, "v1")
+            after = await client.generate(prompts, GREEDY)
+            weights = await client.get_weights_by_name(EXPERT, truncate_size=4)
+            return before, after, weights, await client.get_weight_version()
+        finally:
+            await client.close()
+
+    before, after, weights, versions = asyncio.run(scenario())
+    assert [s.response_ids for s in before] == ref_a
+    assert [s.response_ids for s in after] == ref_b
+    assert all(s.weight_version == "v1" for s in after) and versions == ["v1"]
+    assert torch.equal(torch.tensor(weights[0]), dict(b_tensors)[EXPERT][:4])
+
+
+def test_checker_disk_and_tensor_updates(url, dirs):
+    a_dir, b_dir = dirs
+    a_tensors = list(iter_safetensors(a_dir))
+
+    async def scenario():
+        client = SGLangClient([url])
+        try:
+            await client.update_weights_from_disk(str(b_dir), weight_version="disk")
+            steps = [await client.check_weights("snapshot"),
+                     await client.check_weights("reset_tensors"),
+                     await client.check_weights("compare")]
+            await client.update_weights_from_disk(str(b_dir), weight_version="disk")
+            steps.append(await client.check_weights("compare"))
+            payload = base64.b64encode(pickle.dumps(a_tensors)).decode()
+            await client.update_weights_from_tensor([payload], weight_version="tensor")
+            weights = await client.get_weights_by_name(EXPERT, truncate_size=2)
+            samples = await client.generate([[5, 9, 30]], GREEDY)
+            return steps, weights, samples
+        finally:
+            await client.close()
+
+    steps, weights, samples = asyncio.run(scenario())
+    (snap,), (reset,), (mismatch,), (match,) = steps
+    assert snap[0] and reset[0]
+    assert not mismatch[0] and "differ" in mismatch[1]
+    assert match[0], match[1]
+    assert torch.equal(torch.tensor(weights[0]), dict(a_tensors)[EXPERT][:2])
+    assert samples[0].response_ids == hf_greedy(a_dir, [[5, 9, 30]])[0]
+    assert samples[0].weight_version == "tensor"
+
+
+def test_token_ids_only_model_and_memory_release(url):
+    with httpx.Client(base_url=url, timeout=30) as http:
+        r = http.post("/generate", json={"text": "hi"})
+        assert r.status_code == 400 and "no tokenizer" in r.json()["message"]
+        r = http.post("/generate", json={"input_ids": [5], "sampling_params": {
+            "max_new_tokens": 2}})
+        assert r.status_code == 200 and r.json()["text"] == ""
+        assert http.post("/release_memory_occupation", json={}).json()["success"]
+        r = http.post("/generate", json={"input_ids": [5]})
+        assert r.status_code == 400 and "resume_memory_occupation" in r.json()["message"]
+        assert http.post("/resume_memory_occupation", json={}).json()["success"]
+        assert http.post("/generate", json={"input_ids": [5]}).status_code == 200
