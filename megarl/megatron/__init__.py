@@ -1,0 +1,6 @@
+"""The train-pool engine on megatron-core: parallel state, model build through mbridge, the
+native (TransformerEngine-free) layer spec, the CPU compatibility layer and log-probs.
+
+Submodules are imported explicitly (``from megarl.megatron.model import build_actor_model``):
+importing megatron-core takes seconds, and this package stays cheap to import.
+"""

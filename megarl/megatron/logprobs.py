@@ -1,0 +1,166 @@
+"""Per-token log-probs (and entropy) of sequences under the actor's megatron model.
+
+Sequences are packed into THD micro-batches (grouped by a token budget), run through megatron's
+pipeline schedule (``get_forward_backward_func``, forward only), and turned into log-probs on
+the last pipeline stage by :func:`vocab_parallel_log_probs` on the vocabulary-parallel logits.
+The results are then broadcast over the pipeline group, so every rank of the model-parallel
+group returns the same values.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megarl.megatron import cpu_compat
+from megarl.megatron.model import ActorModel
+from megarl.megatron.packing import PackedBatch, pack_sequences, split_by_token_budget
+from megarl.megatron.vocab_parallel import vocab_parallel_log_probs
+
+
+@dataclass
+class TokenLogProbs:
+    """Per-sequence results, aligned with the input tokens."""
+
+    log_probs: list[torch.Tensor]
+    """``[L_i]`` fp32: entry ``j`` is log p(token_j | tokens_<j); entry 0 is 0."""
+    entropy: list[torch.Tensor] | None
+    """``[L_i]`` fp32: entropy of the distribution that predicted token ``j``; entry 0 is 0."""
+
+
+def sequence_alignment(model: ActorModel) -> int:
+    """The multiple each packed sequence is padded to: the TP size under sequence parallelism."""
+    config = model.config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
+def make_micro_batches(
+    model: ActorModel, sequences: Sequence[torch.Tensor], max_tokens: int | None
+) -> tuple[list[PackedBatch], list[list[int]]]:
+    """Pack ``sequences`` into micro-batches of at most ``max_tokens`` tokens (one if None);
+    returns the batches (on the model's device) and the sequence indices of each."""
+    if model.config.context_parallel_size > 1:
+        raise NotImplementedError(
+            "context parallelism: packed micro-batches are not split over CP ranks yet; "
+            "use parallel.cp=1"
+        )
+    lengths = [len(s) for s in sequences]
+    groups = (
+        [list(range(len(sequences)))]
+        if max_tokens is None
+        else split_by_token_budget(lengths, max_tokens)
+    )
+    device = next(model.chunks[0].parameters()).device
+    align = sequence_alignment(model)
+    batches = [pack_sequences([sequences[i] for i in g], align).to(device) for g in groups]
+    return batches, groups
+
+
+def gpt_forward(chunk: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """One model chunk on a packed batch: hidden states, or ``[1, T, V_local]`` logits on the
+    last stage."""
+    return chunk(
+        batch.input_ids,
+        batch.position_ids,
+        None,
+        packed_seq_params=batch.packed_seq_params(),
+    )
+
+
+def logits_to_log_probs(
+    model: ActorModel, logits: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[1, T, V_local]`` vocabulary-parallel logits -> (log_probs ``[T]``, entropy ``[T]``)."""
+    tp_group = mpu.get_tensor_model_parallel_group()
+    vocab_start = mpu.get_tensor_model_parallel_rank() * logits.shape[-1]
+    log_probs, entropy = vocab_parallel_log_probs(
+        logits[0],
+        targets[0],
+        vocab_start=vocab_start,
+        vocab_size=model.vocab_size,
+        temperature=temperature,
+        group=tp_group,
+    )
+    return log_probs, entropy
+
+
+def compute_log_probs(
+    model: ActorModel,
+    sequences: Sequence[torch.Tensor],
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    max_tokens_per_micro_batch: int | None = None,
+) -> TokenLogProbs:
+    """Log-probs of every token of every sequence (all ranks of the model-parallel group pass
+    the same sequences and get the same results)."""
+    cpu_compat.enable()
+    batches, groups = make_micro_batches(model, sequences, max_tokens_per_micro_batch)
+    results = _run_forward_only(model, batches, temperature)
+    per_batch = _broadcast_from_last_stage(results, batches)
+    log_probs: list[torch.Tensor | None] = [None] * len(sequences)
+    entropy: list[torch.Tensor | None] = [None] * len(sequences)
+    for batch, group, (lp, ent) in zip(batches, groups, per_batch):
+        for i, seq_lp, seq_ent in zip(group, batch.unpack_shifted(lp), batch.unpack_shifted(ent)):
+            log_probs[i], entropy[i] = seq_lp, seq_ent
+    return TokenLogProbs(log_probs=log_probs, entropy=entropy if with_entropy else None)
+
+
+def _run_forward_only(
+    model: ActorModel, batches: list[PackedBatch], temperature: float
+) -> list[dict[str, torch.Tensor]]:
+    """megatron's schedule over the micro-batches; on the last stage, one dict per batch."""
+
+    def loss_func(batch: PackedBatch, logits: torch.Tensor):
+        log_probs, entropy = logits_to_log_probs(model, logits, batch.targets, temperature)
+        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy}
+
+    def forward_step(data_iterator, chunk):
+        batch = next(data_iterator)
+        return gpt_forward(chunk, batch), partial(loss_func, batch)
+
+    was_training = [c.training for c in model.chunks]
+    for chunk in model.chunks:
+        chunk.eval()
+    iterators = [iter(batches) for _ in model.chunks]
+    try:
+        with torch.no_grad():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(iterators) > 1 else iterators[0],
+                model=model.chunks,
+                num_microbatches=len(batches),
+                seq_length=max(b.num_tokens for b in batches),
+                micro_batch_size=1,
+                forward_only=True,
+            )
+    finally:
+        for chunk, training in zip(model.chunks, was_training):
+            chunk.train(training)
+
+
+def _broadcast_from_last_stage(
+    results: list[dict[str, torch.Tensor]], batches: list[PackedBatch]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Send the last stage's (log_probs, entropy) per batch to every pipeline stage."""
+    sizes = [b.num_tokens for b in batches]
+    if mpu.is_pipeline_last_stage():
+        flat = torch.cat(
+            [torch.stack([r["log_probs"], r["entropy"]]) for r in results], dim=1
+        ).contiguous()
+    else:
+        device = batches[0].input_ids.device
+        flat = torch.empty(2, sum(sizes), dtype=torch.float32, device=device)
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast(
+            flat,
+            src=mpu.get_pipeline_model_parallel_last_rank(),
+            group=mpu.get_pipeline_model_parallel_group(),
+        )
+    return [(part[0], part[1]) for part in flat.split(sizes, dim=1)]

@@ -1,0 +1,363 @@
+"""Torch-native modules with TransformerEngine's parameter names, for running without TE.
+
+Each module here takes the slot of a TE module in the megatron layer spec and keeps its state
+dict keys and tensor layout, so that mbridge's HF name mappings and megatron checkpoints are the
+same with or without TE:
+
+| TE module                          | here                         | parameters                      |
+|------------------------------------|------------------------------|---------------------------------|
+| ``TENorm`` (RMSNorm / LayerNorm)   | :class:`NativeNorm`          | ``weight`` (``bias``)           |
+| ``TELayerNormColumnParallelLinear``| :class:`NormColumnParallelLinear` | ``weight``, ``bias``, ``layer_norm_weight`` (``layer_norm_bias``) |
+| ``TEDotProductAttention``          | :class:`SDPAttention`        | none                            |
+| ``TEColumnParallelGroupedLinear``  | :class:`ColumnGroupedLinear` | ``weight{k}`` (``bias{k}``)     |
+| ``TERowParallelGroupedLinear``     | :class:`RowGroupedLinear`    | ``weight{k}`` (``bias{k}``)     |
+
+Norm parameters carry ``sequence_parallel`` like TE's, so megatron all-reduces their gradients
+over the TP group under sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.tensor_parallel import (
+    ColumnParallelLinear,
+    get_cuda_rng_tracker,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker_name
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+def param_device(config: TransformerConfig) -> torch.device | str:
+    """Where megatron would allocate this config's parameters."""
+    return "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+
+
+def _norm_params(
+    module: torch.nn.Module, config: TransformerConfig, hidden_size: int, prefix: str
+) -> None:
+    """Register ``{prefix}weight`` (and ``{prefix}bias`` for LayerNorm) on ``module``."""
+    if config.normalization not in ("RMSNorm", "LayerNorm"):
+        raise ValueError(
+            f"normalization={config.normalization!r} is not supported by the native spec; "
+            "use RMSNorm or LayerNorm"
+        )
+    kw = {"dtype": config.params_dtype, "device": param_device(config)}
+    init = torch.zeros if config.layernorm_zero_centered_gamma else torch.ones
+    weight = torch.nn.Parameter(init(hidden_size, **kw))
+    weight.sequence_parallel = config.sequence_parallel
+    module.register_parameter(f"{prefix}weight", weight)
+    if config.normalization == "LayerNorm":
+        bias = torch.nn.Parameter(torch.zeros(hidden_size, **kw))
+        bias.sequence_parallel = config.sequence_parallel
+        module.register_parameter(f"{prefix}bias", bias)
+    else:
+        module.register_parameter(f"{prefix}bias", None)
+
+
+def _normalize(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    eps: float,
+    config: TransformerConfig,
+) -> torch.Tensor:
+    """RMSNorm computed in fp32 and scaled in the input dtype (as HF does), or LayerNorm."""
+    gamma = weight + 1 if config.layernorm_zero_centered_gamma else weight
+    if config.normalization == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return gamma * h.to(x.dtype)
+
+
+class NativeNorm(MegatronModule):
+    """RMSNorm or LayerNorm (per ``config.normalization``) with TENorm's parameter names."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5) -> None:
+        super().__init__(config=config)
+        self.eps = eps
+        _norm_params(self, config, hidden_size, prefix="")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dimension."""
+        return _normalize(x, self.weight, self.bias, self.eps, self.config)
+
+
+class NormColumnParallelLinear(ColumnParallelLinear):
+    """A norm fused in front of a column-parallel linear, laid out like TE's module.
+
+    With sequence parallelism the norm runs on this rank's sequence shard and the linear
+    all-gathers the normalised activations, as TE does.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        init_method: Callable,
+        gather_output: bool = False,
+        bias: bool = True,
+        skip_bias_add: bool = False,
+        is_expert: bool = False,
+        stride: int = 1,
+        skip_weight_param_allocation: bool = False,
+        tp_comm_buffer_name: str | None = None,
+        tp_group: torch.distributed.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__(
+            input_size,
+            output_size,
+            config=config,
+            init_method=init_method,
+            bias=bias,
+            gather_output=gather_output,
+            stride=stride,
+            skip_bias_add=skip_bias_add,
+            skip_weight_param_allocation=skip_weight_param_allocation,
+            is_expert=is_expert,
+            tp_comm_buffer_name=tp_comm_buffer_name,
+            tp_group=tp_group,
+        )
+        self.eps = config.layernorm_epsilon
+        _norm_params(self, config, input_size, prefix="layer_norm_")
+
+    def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
+        """Normalise, then apply the column-parallel linear; returns (output, bias)."""
+        x = _normalize(input_, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.config)
+        return super().forward(x, *args, **kwargs)
+
+
+class SDPAttention(MegatronModule):
+    """Core attention through ``torch.nn.functional.scaled_dot_product_attention``.
+
+    Inputs are megatron's: ``[s, b, heads, dim]`` (sbhd) or ``[t, heads, dim]`` with
+    ``packed_seq_params`` (thd, one causal segment per ``cu_seqlens`` entry). Grouped-query
+    attention is native to SDPA. Context parallelism is not supported (use the TE spec).
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str = "self",
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if config.context_parallel_size > 1:
+            raise ValueError(
+                "context_parallel_size > 1 needs TransformerEngine attention; the native spec "
+                "(no TE installed) supports cp=1 only"
+            )
+        self.attn_mask_type = attn_mask_type
+        self.softmax_scale = softmax_scale
+        self.dropout_p = (
+            config.attention_dropout if attention_dropout is None else attention_dropout
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
+        """Attention output, ``[s, b, heads*dim]`` (sbhd) or ``[t, heads, dim]`` (thd)."""
+        if attention_bias is not None:
+            raise ValueError("SDPAttention: attention_bias is not supported")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            return self._forward_thd(query, key, value, packed_seq_params, causal)
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        mask = None
+        if attention_mask is not None:
+            # megatron's masks are True where attention is NOT allowed; SDPA's the opposite
+            mask = ~attention_mask
+            if causal:
+                sq, sk = q.shape[2], k.shape[2]
+                mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        out = self._sdpa(q, k, v, mask, causal and mask is None)
+        s, b = query.shape[0], query.shape[1]
+        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+
+    def _forward_thd(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        params: PackedSeqParams,
+        causal: bool,
+    ) -> torch.Tensor:
+        cu = params.cu_seqlens_q_padded
+        if cu is None:
+            cu = params.cu_seqlens_q
+        bounds = cu.tolist()
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            # [t, h, d] -> [1, h, t, d]
+            q, k, v = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+            outs.append(self._sdpa(q, k, v, None, causal)[0].transpose(0, 1))
+        tail = query.shape[0] - bounds[-1]
+        if tail > 0:
+            outs.append(query.new_zeros(tail, query.shape[1], value.shape[-1]))
+        return torch.cat(outs, dim=0)
+
+    def _sdpa(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        mask: torch.Tensor | None,
+        causal: bool,
+    ) -> torch.Tensor:
+        return F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout_p if self.training else 0.0,
+            is_causal=causal,
+            scale=self.softmax_scale,
+            enable_gqa=q.shape[1] != k.shape[1],
+        )
+
+
+def _grouped_mm_supported(x: torch.Tensor, weight_t: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` runs for these operands (dtype, device, 16-byte strides)."""
+    if not hasattr(torch, "_grouped_mm") or x.shape[0] == 0:
+        return False
+    if x.is_cuda:
+        if x.dtype != torch.bfloat16 or torch.cuda.get_device_capability(x.device)[0] < 9:
+            return False
+    elif x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    itemsize = x.element_size()
+    return all((n * itemsize) % 16 == 0 for n in (x.shape[1], weight_t.shape[-1]))
+
+
+def grouped_linear(
+    x: torch.Tensor, weights: list[torch.Tensor], m_splits: list[int]
+) -> torch.Tensor:
+    """``cat([x_k @ W_k^T])`` for row blocks ``x_k`` of sizes ``m_splits``; one grouped GEMM when
+    ``torch._grouped_mm`` supports the operands, a loop of ``F.linear`` otherwise."""
+    weight_t = torch.stack(weights).transpose(1, 2)  # [E, in, out]
+    if _grouped_mm_supported(x, weight_t):
+        offs = torch.tensor(m_splits, device=x.device).cumsum(0).to(torch.int32)
+        out = torch._grouped_mm(x, weight_t, offs=offs)
+        if out.requires_grad:
+            # the grouped GEMM backward needs a dense gradient (e.g. not one from expand())
+            out.register_hook(lambda grad: grad.contiguous())
+        return out
+    chunks = x.split(m_splits)
+    return torch.cat([F.linear(c, w) for c, w in zip(chunks, weights)], dim=0)
+
+
+class _GroupedLinear(MegatronModule):
+    """Local experts' linear layers as ``weight{k}`` tensors, with no communication (the MoE
+    token dispatcher moves tokens across EP/ETP ranks, as with TE's grouped linear)."""
+
+    parallel_mode: str = ""
+
+    def __init__(
+        self,
+        num_gemms: int,
+        input_size: int,
+        output_size: int,
+        *,
+        config: TransformerConfig,
+        init_method: Callable,
+        bias: bool,
+        skip_bias_add: bool,
+        is_expert: bool = True,
+        tp_comm_buffer_name: str | None = None,
+        pg_collection: Any = None,
+    ) -> None:
+        super().__init__(config=config)
+        if not is_expert:
+            raise ValueError("grouped linear layers are for MoE experts only (is_expert=True)")
+        etp = (
+            pg_collection.expt_tp.size()
+            if pg_collection is not None
+            else mpu.get_expert_tensor_parallel_world_size()
+        )
+        if self.parallel_mode == "column":
+            output_size = divide(output_size, etp)
+        else:
+            input_size = divide(input_size, etp)
+        self.num_gemms = num_gemms
+        self.skip_bias_add = skip_bias_add
+        self.use_bias = bias
+        kw = {"dtype": config.params_dtype, "device": param_device(config)}
+        for k in range(num_gemms):
+            weight = torch.nn.Parameter(torch.empty(output_size, input_size, **kw))
+            if config.perform_initialization:
+                with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+                    init_method(weight)
+            self.register_parameter(f"weight{k}", weight)
+            if bias:
+                self.register_parameter(
+                    f"bias{k}", torch.nn.Parameter(torch.zeros(output_size, **kw))
+                )
+        for param in self.parameters():
+            # always reduced over the expert-data-parallel group (the ranks holding the same
+            # expert shard). TE uses `not expert_parallel`, which with EP = 1 and ETP < TP
+            # reduces over the dense DP group only and drops the other TP ranks' tokens
+            param.allreduce = False
+        # as TE does: every rank counts its expert weights in the grad norm (the expert
+        # optimizer treats the dense TP group as the duplicate group, which is wrong for ETP < TP)
+        for k in range(num_gemms):
+            set_tensor_model_parallel_attributes(
+                getattr(self, f"weight{k}"),
+                is_parallel=True,
+                dim=0 if self.parallel_mode == "column" else 1,
+                stride=1,
+            )
+
+    def _weights(self) -> list[torch.Tensor]:
+        return [getattr(self, f"weight{k}") for k in range(self.num_gemms)]
+
+    def _biases(self) -> list[torch.Tensor]:
+        return [getattr(self, f"bias{k}") for k in range(self.num_gemms)]
+
+    def forward(self, x: torch.Tensor, m_splits: list[int]):
+        """Apply expert ``k``'s weight to the ``k``-th block of rows; returns (output, bias)."""
+        out = grouped_linear(x, self._weights(), m_splits)
+        if not self.use_bias:
+            return out, None
+        if self.skip_bias_add:
+            return out, self._biases()
+        sizes = torch.tensor(m_splits, device=x.device)
+        return out + torch.stack(self._biases()).repeat_interleave(sizes, dim=0), None
+
+
+class ColumnGroupedLinear(_GroupedLinear):
+    """Experts' fc1: output features split over the expert-TP group."""
+
+    parallel_mode = "column"
+
+
+class RowGroupedLinear(_GroupedLinear):
+    """Experts' fc2: input features split over the expert-TP group."""
+
+    parallel_mode = "row"

@@ -1,0 +1,166 @@
+"""megatron-core's DDP, (distributed) optimizer and LR schedule around an ActorModel, and one
+guarded optimizer step: a non-finite loss or gradient norm skips the update (PITFALLS T5)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+from megarl.megatron.model import ActorModel
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """Optimizer and schedule of the actor (field names follow ``actor.optim`` in the config)."""
+
+    lr: float = 1e-6
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam beta1, beta2."""
+    lr_warmup_steps: int = 0
+    """Optimizer steps of linear warm-up from 0 to ``lr``."""
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay after warm-up, down to ``min_lr`` at ``total_steps``."""
+    min_lr: float = 0.0
+    """Learning rate at the end of the decay."""
+    total_steps: int = 1
+    """Optimizer steps of the whole run (the decay horizon)."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clipping threshold; 0 turns clipping off."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer states over data-parallel ranks."""
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Adam (training) or plain SGD without momentum (exact-update tests)."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer == "sgd" and self.use_distributed_optimizer:
+            raise ValueError(
+                "optimizer='sgd' with use_distributed_optimizer=True: megatron shards Adam "
+                "states only; set use_distributed_optimizer=False"
+            )
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    updated: bool
+    """False when the step was skipped (non-finite loss or gradient)."""
+    grad_norm: float
+    """Global gradient norm before clipping (may be nan/inf when skipped)."""
+    lr: float
+    """Learning rate used (or that would have been used) by this step."""
+
+
+class TrainableActor:
+    """An ActorModel whose chunks are wrapped in megatron DDP, with optimizer and schedule."""
+
+    def __init__(self, model: ActorModel, settings: OptimizerSettings) -> None:
+        config = model.config
+        moe_with_tp = config.num_moe_experts and config.tensor_model_parallel_size > 1
+        if moe_with_tp and not config.sequence_parallel:
+            raise ValueError(
+                "training an MoE model with tp > 1 needs sequence parallelism (a megatron "
+                "requirement); leave parallel.sequence_parallel unset or True"
+            )
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=settings.use_distributed_optimizer,
+        )
+        model.chunks = [
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(model.chunks)
+        ]
+        self.model = model
+        self.settings = settings
+        self.optimizer = get_megatron_optimizer(_optimizer_config(model, settings), model.chunks)
+        self.scheduler = _scheduler(self.optimizer, settings)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = self.optimizer.scale_loss
+
+    def zero_grad(self) -> None:
+        """Clear the DDP gradient buffers and the optimizer's gradients."""
+        for chunk in self.model.chunks:
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def current_lr(self) -> float:
+        """The learning rate of the first parameter group."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    @torch.no_grad()
+    def step(self, loss_is_finite: bool) -> StepResult:
+        """Clip and apply the reduced gradients unless the loss or gradient norm is non-finite.
+
+        Every rank must call this with the same ``loss_is_finite`` (the grad norm is global).
+        """
+        lr = self.current_lr()
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if found_inf or not loss_is_finite or not math.isfinite(grad_norm):
+            self.zero_grad()
+            return StepResult(updated=False, grad_norm=grad_norm, lr=lr)
+        self._clip(grad_norm)
+        self.optimizer.step_with_ready_grads()
+        self.scheduler.step(increment=1)
+        return StepResult(updated=True, grad_norm=grad_norm, lr=lr)
+
+    def _clip(self, grad_norm: float) -> None:
+        """Scale the main gradients so that their global norm is at most ``grad_clip``.
+
+        (megatron's ``clip_grad_by_total_norm_fp32`` asserts CUDA tensors; this is the same
+        scaling, on any device.)
+        """
+        coeff = self.settings.grad_clip / (grad_norm + 1e-6)
+        if self.settings.grad_clip <= 0 or coeff >= 1.0:
+            return
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            for param in opt.get_parameters():
+                if param.grad is not None:
+                    param.grad.mul_(coeff)
+
+
+def _optimizer_config(model: ActorModel, settings: OptimizerSettings) -> OptimizerConfig:
+    config = model.config
+    return OptimizerConfig(
+        optimizer=settings.optimizer,
+        lr=settings.lr,
+        min_lr=settings.min_lr,
+        weight_decay=settings.weight_decay,
+        adam_beta1=settings.betas[0],
+        adam_beta2=settings.betas[1],
+        sgd_momentum=0.0,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        # clipping is applied by TrainableActor.step after the finiteness check
+        clip_grad=0.0,
+        use_distributed_optimizer=settings.use_distributed_optimizer,
+    )
+
+
+def _scheduler(optimizer: Any, settings: OptimizerSettings) -> OptimizerParamScheduler:
+    warmup = settings.lr_warmup_steps
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if warmup else settings.lr,
+        max_lr=settings.lr,
+        min_lr=settings.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(settings.total_steps, warmup + 1),
+        lr_decay_style=settings.lr_decay_style,
+        start_wd=settings.weight_decay,
+        end_wd=settings.weight_decay,
+        wd_incr_steps=max(settings.total_steps, 1),
+        wd_incr_style="constant",
+    )

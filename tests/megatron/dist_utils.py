@@ -1,0 +1,140 @@
+"""Run a function on N real processes joined in a process group on 127.0.0.1; collect results.
+
+``RankPool(n)`` spawns n processes once (imports of torch/megatron are paid once per pool, not
+per case) and runs picklable top-level functions on all of them: ``pool.run(fn, *args)``
+returns ``[fn(*args) on rank 0, ..., on rank n-1]`` or raises with the failing ranks'
+tracebacks. After every call each worker tears down megatron's parallel state, so the next call
+can build another layout. A call that times out kills the pool (a rank may be stuck in a
+collective); :func:`run_on_ranks` is the one-shot form.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - the traceback goes back to the test
+            results.put((rank, False, traceback.format_exc()))
+        finally:
+            _reset_megatron()
+    dist.destroy_process_group()
+
+
+def _reset_megatron() -> None:
+    from megarl.megatron.parallel import destroy_parallel
+
+    destroy_parallel()
+
+
+class RankPool:
+    """A persistent group of ``world_size`` ranks (gloo, or nccl one GPU per rank) that runs
+    functions on every rank."""
+
+    def __init__(self, world_size: int, backend: str = "gloo") -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(rank, world_size, port, backend, self._tasks[rank], self._results),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        self.alive = True
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 300, **kwargs: Any):
+        """``fn(*args, **kwargs)`` on every rank; the list of return values by rank."""
+        if not self.alive:
+            raise RuntimeError("RankPool was closed (an earlier call failed or timed out)")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        outcomes: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(outcomes) < self.world_size:
+            if any(not ok for ok, _ in outcomes.values()):
+                # once a rank failed, the others may wait forever in a collective
+                deadline = min(deadline, time.monotonic() + 30)
+            try:
+                rank, ok, value = self._results.get(timeout=1.0)
+                outcomes[rank] = (ok, value)
+                continue
+            except queue.Empty:
+                pass
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead or time.monotonic() > deadline:
+                self.close()
+                detail = "\n".join(tb for ok, tb in outcomes.values() if not ok)
+                missing = sorted(set(range(self.world_size)) - set(outcomes))
+                why = f"ranks {dead} died" if dead else f"ranks {missing} did not finish"
+                raise RuntimeError(f"{fn.__name__}: {why} (timeout {timeout}s)\n{detail}")
+        failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
+        if failures:
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items()))
+            raise RuntimeError(f"{fn.__name__} failed on ranks {sorted(failures)}:\n{detail}")
+        return [outcomes[r][1] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the workers (terminating any that do not exit)."""
+        if not self.alive:
+            return
+        self.alive = False
+        for q in self._tasks:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+
+
+def run_on_ranks(world_size: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list:
+    """Spawn ``world_size`` gloo ranks, run ``fn`` on each, return the results by rank."""
+    pool = RankPool(world_size)
+    try:
+        return pool.run(fn, *args, **kwargs)
+    finally:
+        pool.close()
