@@ -1,0 +1,89 @@
+"""The rollout-pool role: one ``RolloutServerWorker`` per engine, placed by Ray.
+
+The worker runs where its placement-group bundle is (a GPU node of the rollout pool, or a CPU
+slot) and starts the engine's HTTP server there as a child process: SGLang's
+``launch_server`` for ``rollout.backend=sglang``, megarl's embedded server for ``local``. The
+trainer talks to the servers over HTTP with :class:`~megarl.rollout.sglang.SGLangClient`; the
+worker only starts, watches and restarts its server.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megarl.cluster.worker import Worker, host_ip
+from megarl.rollout.local.launch import build_local_command
+from megarl.rollout.process import ManagedServer, free_port
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How to start one rollout engine (from the ``rollout`` config section)."""
+
+    model_path: str
+    backend: str = "local"
+    host: str = "127.0.0.1"
+    dtype: str = "auto"
+    max_running_requests: int | None = None
+    seed: int = 0
+    num_threads: int | None = 1
+    gpus_per_engine: int = 1
+    mem_fraction: float | None = 0.7
+    return_routed_experts: bool = False
+    colocated: bool = False
+    log_dir: str = "outputs/logs"
+    sglang_args: tuple[str, ...] = field(default_factory=tuple)
+
+
+class RolloutServerWorker(Worker):
+    """Starts and supervises the HTTP server of one rollout engine."""
+
+    def __init__(self, spec: EngineSpec) -> None:
+        self.server: ManagedServer | None = None
+        if self.rank % spec.gpus_per_engine:
+            return  # a follower GPU of a multi-GPU engine: its leader's server uses it
+        host = spec.host if spec.host != "0.0.0.0" else host_ip()
+        port = free_port(spec.host)
+        if spec.backend == "local":
+            extra = ["--dtype", spec.dtype, "--random-seed", str(spec.seed + self.rank)]
+            if spec.max_running_requests:
+                extra += ["--max-running-requests", str(spec.max_running_requests)]
+            device = "cuda" if self.info.device == "cuda" else "cpu"
+            argv = build_local_command(spec.model_path, host=spec.host, port=port, device=device,
+                                       num_threads=spec.num_threads, extra_args=extra)
+        else:
+            from megarl.rollout.sglang.launcher import SGLangLaunchConfig, build_sglang_command
+
+            launch = SGLangLaunchConfig(
+                model_path=spec.model_path, host=spec.host, port=port,
+                tp_size=spec.gpus_per_engine, mem_fraction_static=spec.mem_fraction,
+                enable_memory_saver=spec.colocated,
+                enable_return_routed_experts=spec.return_routed_experts,
+                dtype=None if spec.dtype == "auto" else spec.dtype)
+            argv = build_sglang_command(launch) + list(spec.sglang_args)
+        log = Path(spec.log_dir) / f"rollout_engine{self.rank}.log"
+        self.server = ManagedServer(argv, f"http://{host}:{port}", name=f"engine[{self.rank}]",
+                                    log_path=log)
+        self.server.start()
+
+    def wait_ready(self, timeout_s: float = 600.0) -> str | None:
+        """Block until the server answers its health check; returns its URL (None on a
+        follower rank, which runs no server)."""
+        if self.server is None:
+            return None
+        self.server.wait_ready(timeout_s)
+        return self.server.url
+
+    def alive(self) -> bool:
+        """Whether the server process is running (a follower rank is always alive)."""
+        return self.server is None or self.server.alive
+
+    def log_tail(self, lines: int = 30) -> str:
+        """The last lines of the server's log."""
+        return self.server.log_tail(lines) if self.server is not None else ""
+
+    def stop(self) -> None:
+        """Stop the server process."""
+        if self.server is not None:
+            self.server.stop()
