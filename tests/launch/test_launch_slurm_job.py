@@ -22,14 +22,15 @@ from launch_helpers import PROBE, REPO, job_env, processes_mentioning, ray_port_
 from slurm_local import PARTITION, LocalSlurm
 
 from megarl.config import load_config
+from megarl.demo import prepare_demo_assets
 from megarl.metrics.trackers import read_metrics_jsonl
 
 SCRIPT = REPO / "slurm" / "ray_on_slurm.slurm"
 PROBE_COMMAND = f"{sys.executable} {PROBE}"
-# What the job runs once Ray is up, with `--config JOB_CONFIG <overrides>`. The probe stands in
-# for the trainer; to test the real one (the config's model and data must exist) set
-#   JOB_COMMAND = f"{Path(sys.executable).parent}/megarl train"
-JOB_COMMAND = PROBE_COMMAND
+# What the job runs once Ray is up, with `--config JOB_CONFIG <overrides>`: the real trainer, on
+# the demo's tiny model and data (made by the test) for two steps. PROBE_COMMAND is a stand-in
+# that only checks the Ray cluster, for debugging the script without the trainer.
+JOB_COMMAND = f"{Path(sys.executable).parent}/megarl train"
 JOB_CONFIG = REPO / "configs" / "tiny-moe-cpu.yaml"
 # The Ray CPUs the job offers: the config's ray.num_cpus (the tiny demo's 3 workers + driver want 4
 # slots even on 2 cores), else the allocation's.
@@ -54,6 +55,9 @@ def submit_script(slurm: LocalSlurm, name: str, **env_extra: str) -> JobRun:
     root = slurm.root / name
     root.mkdir()
     ports = {**ray_port_env(), **env_extra}
+    model, train, val = prepare_demo_assets(slurm.root / "assets")
+    job_overrides = [f"model.path={model}", f"data.train_files=[{train}]",
+                     f"data.val_files=[{val}]", "trainer.total_steps=2"]
     env = job_env(CONFIG=str(JOB_CONFIG), MEGARL_CMD=JOB_COMMAND, RAY_TEMP_DIR=str(root / "ray"),
                   RAY_JOIN_TIMEOUT_S="120", **ports)
     if JOB_RAY_CPUS:
@@ -62,7 +66,7 @@ def submit_script(slurm: LocalSlurm, name: str, **env_extra: str) -> JobRun:
     job_id = slurm.sbatch(
         [f"--partition={PARTITION}", "--nodes=1", f"--cpus-per-task={slurm.cpus}",
          "--gpus-per-node=0", "--time=00:10:00", f"--output={root}/job-%j.out",
-         f"--chdir={REPO}", str(SCRIPT), f"trainer.output_dir={root / 'run'}"],
+         f"--chdir={REPO}", str(SCRIPT), f"trainer.output_dir={root / 'run'}", *job_overrides],
         env=env, cwd=REPO)
     fields = slurm.wait_job(job_id, JOB_TIMEOUT_S)
     output = (root / f"job-{job_id}.out").read_text()
@@ -94,6 +98,8 @@ def test_sbatch_ray_on_slurm_runs_the_command_on_a_joined_cluster(local_slurm: L
     assert (f"--config {JOB_CONFIG} resources.train_pool.nnodes=1 resources.device=cpu "
             f"ray.address={head_address} ray.num_cpus={ray_cpus} "
             f"trainer.output_dir={run.out_dir}") in output
+    if JOB_COMMAND != PROBE_COMMAND:
+        assert (run.out_dir / "run.png").exists(), output
 
     rows = read_metrics_jsonl(run.out_dir / "metrics.jsonl")
     assert rows and rows[-1]["step"] >= 1
