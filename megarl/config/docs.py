@@ -71,3 +71,16 @@ def _default(path: str) -> str:
         return "required"
     value = field_default(path)
     return yaml_scalar(value.model_dump(mode="json") if isinstance(value, BaseModel) else value)
+
+
+DOC_HEADER = ("# megarl configuration reference\n\nGenerated from the schema (`megarl/config/`) "
+              "by `python -m megarl.config.docs > docs/config.md`; a test keeps it in sync.\n\n")
+
+
+def reference_page() -> str:
+    """The whole of ``docs/config.md``."""
+    return DOC_HEADER + fields_table() + "\n"
+
+
+if __name__ == "__main__":
+    print(reference_page(), end="")

@@ -129,3 +129,13 @@ def test_flags_may_come_before_overrides():
 
     assert validate_main(["configs/qwen3-8b.yaml", "--allow-missing-files",
                           "data.train_batch_size=128"]) == 0
+
+
+def test_docs_config_reference_is_generated_from_the_schema():
+    from pathlib import Path
+
+    from megarl.config.docs import reference_page
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert page.read_text() == reference_page(), (
+        "docs/config.md is stale: run `python -m megarl.config.docs > docs/config.md`")
