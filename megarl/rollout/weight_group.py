@@ -4,23 +4,17 @@ It is created the way SGLang's engines create theirs (``init_custom_process_grou
 rendezvous at ``master_address:master_port`` where the sender is rank 0 and hosts the store, a
 ``PrefixStore`` named after the group, and a process group that is *not* the default one, so
 it lives next to Megatron's groups in the trainer. Both sides of megarl use this function, and
-a sender built this way also talks to real SGLang engines.
+a sender built this way also talks to real SGLang engines. The group itself is built by
+:mod:`megarl.weights.group` (the checkpoint engine's); this module adds the dtype names.
 """
 
 from __future__ import annotations
 
-import inspect
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
-from torch.distributed.distributed_c10d import (
-    Backend,
-    PrefixStore,
-    _new_process_group_helper,
-    _world,
-    rendezvous,
-)
+
+from megarl.weights.group import close_weight_update_group, open_weight_update_group
+
+__all__ = ["DTYPES", "close_weight_update_group", "open_weight_update_group", "parse_dtype"]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
@@ -36,33 +30,3 @@ def parse_dtype(name: str) -> torch.dtype:
     if key not in DTYPES:
         raise ValueError(f"dtype {name!r} is not known; use one of {sorted(DTYPES)}")
     return DTYPES[key]
-
-
-def open_weight_update_group(
-    master_address: str,
-    master_port: int,
-    rank: int,
-    world_size: int,
-    group_name: str = "weight_update_group",
-    backend: str = "gloo",
-    timeout_s: float = 300.0,
-) -> dist.ProcessGroup:
-    """Join (rank 0: create) the weight-update group; blocks until all ranks arrive."""
-    timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(
-        rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    params = inspect.signature(_new_process_group_helper).parameters
-    options_name = "backend_options" if "backend_options" in params else "pg_options"
-    group, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name,
-        **{options_name: None}, timeout=timeout,
-    )
-    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-    return group
-
-
-def close_weight_update_group(group: dist.ProcessGroup) -> None:
-    """Destroy a group made by :func:`open_weight_update_group`."""
-    dist.destroy_process_group(group)
