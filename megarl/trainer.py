@@ -41,7 +41,19 @@ from megarl.metrics.trackers import MultiTracker, TrackerSettings
 from megarl.rollout.interface import SamplingParams
 from megarl.trainer_setup import Workers, build_workers, shutdown_workers
 
-TIMED_PHASES = ("gen", "reward", "adv", "old_log_prob", "ref", "update_actor", "sync_weights")
+# Config settings whose machinery is not part of this trainer yet: refused, never ignored.
+NOT_BUILT = (
+    ("trainer.worker_group", lambda c: c.trainer.worker_group == "naive",
+     "the no-Ray (torchrun) mode is not built yet; use trainer.worker_group=ray"),
+    ("trainer.save_every", lambda c: c.trainer.save_every > 0,
+     "checkpoint saving is not built into the trainer yet; set trainer.save_every=0"),
+    ("scheduler.mode", lambda c: c.scheduler.mode != "colocate_sync",
+     "only scheduler.mode=colocate_sync is built yet"),
+    ("algorithm.adv_estimator", lambda c: c.algorithm.adv_estimator not in ("grpo", "rloo"),
+     "the critic (gae) and token-level-reward estimators are not wired yet; use grpo or rloo"),
+    ("actor.router_replay.mode", lambda c: c.actor.router_replay.mode != "disabled",
+     "router replay is not wired into the trainer yet; set actor.router_replay.mode=disabled"),
+)
 
 
 class Trainer:
@@ -70,6 +82,11 @@ class Trainer:
         self.loader = PromptLoader(self.dataset, cfg.data.train_batch_size, seed=cfg.data.seed,
                                    shuffle=cfg.data.shuffle)
         self.tokenizer = self.dataset.tokenizer
+        self.val_dataset = None
+        if cfg.trainer.val_every:
+            self.val_dataset = load_prompt_dataset(
+                cfg.data.val_files, cfg.model.path, max_prompt_length=cfg.data.max_prompt_length,
+                prompt_key=cfg.data.prompt_key)
         self.rewards = RewardManager(cfg.reward.function, batched=cfg.reward.batched,
                                      num_workers=cfg.reward.num_workers,
                                      timeout_s=cfg.reward.timeout_s,
@@ -100,15 +117,43 @@ class Trainer:
     def fit(self) -> list[dict[str, float]]:
         """Run ``trainer.total_steps`` steps; returns every step's metrics."""
         history = []
+        val_every = self.cfg.trainer.val_every
         for step in range(1, self.cfg.trainer.total_steps + 1):
             metrics = self.step(self.loader.next_batch())
+            if val_every and (step % val_every == 0 or step == self.cfg.trainer.total_steps):
+                with timer("validate", metrics):
+                    metrics.update(self.validate())
             for line in self.health.check(metrics, step):
                 self.tracker.warn(line)
             metrics.update(self.health.metrics())
             self.tracker.log(metrics, step)
             history.append(metrics)
-        self._finish()
+        self.finish()
         return history
+
+    def validate(self) -> dict[str, float]:
+        """Greedy answers to every validation prompt; mean score overall and per data source."""
+        from megarl.data.loader import PromptLoader
+        from megarl.reward import RewardSample
+
+        tok, cfg = self.tokenizer, self.cfg
+        rows = list(self.val_dataset)
+        params = SamplingParams(max_new_tokens=cfg.data.max_response_length, temperature=0.0,
+                                n=1, stop_token_ids=[tok.eos_token_id])
+        size = cfg.data.val_batch_size or len(rows)
+        samples = []
+        for batch in PromptLoader(rows, size, shuffle=False, drop_last=False):
+            samples += self.run(self.workers.client.generate([p["input_ids"] for p in batch],
+                                                             params, return_logprob=False))
+        result = self.rewards.score([
+            RewardSample(row["data_source"], tok.decode(s.response_ids, skip_special_tokens=True),
+                         row["ground_truth"], row.get("extra_info") or {})
+            for row, s in zip(rows, samples)])
+        metrics = {"val/score/mean": sum(result.scores) / len(result.scores)}
+        for source in sorted({row["data_source"] for row in rows}):
+            scores = [x for row, x in zip(rows, result.scores) if row["data_source"] == source]
+            metrics[f"val/{source}/score/mean"] = sum(scores) / len(scores)
+        return metrics
 
     def step(self, prompts: list[dict[str, Any]]) -> dict[str, float]:
         """One colocate_sync RL step on a batch of prompt rows; returns its metrics."""
@@ -247,7 +292,8 @@ class Trainer:
             num_rollout_gpus=self.workers.num_rollout_gpus, ppo_epochs=self.cfg.actor.ppo_epochs))
         return out
 
-    def _finish(self) -> None:
+    def finish(self) -> None:
+        """End of run: the PNG of the run's metrics and the Ray timeline."""
         from megarl.metrics.plot import plot_run
 
         jsonl = self.output_dir / "metrics.jsonl"
@@ -277,9 +323,12 @@ def load_run_config(path: str, overrides: list[str],
             echo(f"error: {line}")
         return None
     problems = validate_config(cfg, sources=sources)
+    unbuilt = [f"{field}: {fix}" for field, applies, fix in NOT_BUILT if applies(cfg)]
     for problem in problems:
         echo(problem.line() if problem.severity == "error" else f"warning: {problem.line()}")
-    if any(p.severity == "error" for p in problems):
+    for line in unbuilt:
+        echo(line)
+    if unbuilt or any(p.severity == "error" for p in problems):
         return None
     return cfg, sources
 

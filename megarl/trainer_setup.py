@@ -138,13 +138,15 @@ def build_workers(cfg: RunConfig, output_dir: Path, loop: asyncio.AbstractEventL
     pools = create_pools(cfg.resources, colocate=colocate, max_colocate_count=2 if colocate else 1)
     log_dir = output_dir / "logs"
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if device == "cpu" else {}
+    timeout = cfg.trainer.phase_timeout_s
     actor = RayWorkerGroup(ActorWorker, pools["train_pool"], "actor", log_dir=log_dir,
-                           args=(actor_spec(cfg),), env=env, echo_logs=False)
+                           args=(actor_spec(cfg),), env=env, echo_logs=False,
+                           call_timeout_s=timeout)
     rollout = RayWorkerGroup(RolloutServerWorker, pools["rollout_pool"], "rollout",
                              log_dir=log_dir, args=(engine_spec(cfg, log_dir),), env=env,
-                             echo_logs=False)
+                             echo_logs=False, call_timeout_s=timeout)
     urls = [u for u in rollout.execute_all("wait_ready") if u]
-    client = SGLangClient(urls)
+    client = SGLangClient(urls, timeout_s=timeout)
     layouts = actor.execute_all("layout")
     sync = _weight_sync(cfg, actor, client, loop, len(urls), device)
     return Workers(actor=actor, rollout=rollout, client=client,

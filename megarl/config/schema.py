@@ -195,7 +195,11 @@ class TrainerConfig(Section):
     worker_group: Literal["ray", "naive"] = Field("ray", description=(
         "ray = Ray actors on placement groups; naive = every role in one torchrun process group "
         "(debugging without Ray)"))
-    val_every: int = Field(0, ge=0, description="validate every N steps; 0 = never")
+    val_every: int = Field(0, ge=0, description=(
+        "validate every N steps (greedy, one sample per prompt of data.val_files); 0 = never"))
+    phase_timeout_s: float = Field(3600.0, gt=0, description=(
+        "time limit of each collective phase (generate, log-prob, update, weight sync); on "
+        "timeout the run stops naming the phase and the ranks that did not finish"))
     seed: int = Field(1, description="seed of model init, sampling and dropout")
 
 

@@ -53,7 +53,8 @@ def test_three_steps_sync_weights_and_report_every_metric(assets, tmp_path):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     trainer = make_trainer(assets, tmp_path / "run", "trainer.total_steps=3",
                            "data.train_batch_size=8", "rollout.n=4",
-                           "actor.ppo_mini_batch_size=4")
+                           "actor.ppo_mini_batch_size=4", "trainer.val_every=1",
+                           f"ray.timeline_file={tmp_path / 'timeline.json'}")
     try:
         trainer.setup()
         for step in range(1, 4):
@@ -74,6 +75,11 @@ def test_three_steps_sync_weights_and_report_every_metric(assets, tmp_path):
             assert trainer.run(trainer.workers.client.get_weight_version()) == [str(step)]
         # two mini-batches per step: the second one is off-policy, so ppo_kl is not exactly 0
         assert metrics["actor/ppo_kl"] != 0.0
+        val = trainer.validate()
+        assert 0.0 <= val["val/score/mean"] <= 1.0
+        assert val["val/synthetic/copy_digit/score/mean"] == val["val/score/mean"]
+        trainer.finish()
+        assert (tmp_path / "timeline.json").stat().st_size > 0
     finally:
         trainer.close()
 
@@ -93,3 +99,21 @@ def test_grpo_reward_climbs_on_the_demo_task(assets, tmp_path):
     first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
     assert last > first + 0.15, (first, last, scores)
     assert (tmp_path / "learn" / "run.png").stat().st_size > 10_000
+
+
+def test_settings_the_trainer_does_not_run_yet_are_refused(assets, tmp_path):
+    from megarl.trainer import train_main
+
+    base = [f"model.path={assets / 'model'}", f"data.train_files=[{assets / 'data/train.parquet'}]",
+            f"data.val_files=[{assets / 'data/val.parquet'}]", f"trainer.output_dir={tmp_path}"]
+    for override, field in (("trainer.worker_group=naive", "trainer.worker_group"),
+                            ("trainer.save_every=5", "trainer.save_every")):
+        assert train_main(["--config", str(DEMO_CONFIG), *base, override]) == 2
+
+
+def test_invalid_config_exits_2_with_the_field(tmp_path, capsys):
+    from megarl.trainer import train_main
+
+    assert train_main(["--config", str(DEMO_CONFIG), "data.train_batch_size=3",
+                       f"model.path={tmp_path}"]) == 2
+    assert "data.train_batch_size" in capsys.readouterr().err
