@@ -55,7 +55,8 @@ def test_shipped_configs_load_and_have_no_errors_but_missing_files(path):
 
 
 def test_show_marks_sources_and_prints_sizes(run_files, capsys):
-    assert show_main([str(TINY), *run_files, "rollout.n=8"]) == 0
+    assert show_main([str(TINY), *run_files, "rollout.n=8", "data.train_batch_size=8",
+                      "actor.ppo_mini_batch_size=4"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert "  n: 8  # from override" in lines
