@@ -64,10 +64,15 @@ def test_mla_attention_and_kv_cache_by_hand():
 # width 32, vocab 128, fp32; the demo config puts it on 2 processes.
 
 
+# The sizes these tests were written against; the demo config itself is tuned for learning.
+PINNED = ["data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+          "actor.ppo_micro_batch_size_per_gpu=4", "data.max_response_length=32"]
+
+
 def tiny_config(tiny_moe_dir: Path, *overrides: str):
     """The demo config on the tiny model, with GPU-style memory settings."""
     cfg, _ = load_config(REPO / "configs" / "tiny-moe-cpu.yaml", [
-        f"model.path={tiny_moe_dir}", "actor.parallel.ep=1", *overrides])
+        f"model.path={tiny_moe_dir}", "actor.parallel.ep=1", *PINNED, *overrides])
     return cfg
 
 
