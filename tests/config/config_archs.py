@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 QWEN3_30B_A3B: dict[str, Any] = {
@@ -24,3 +25,17 @@ QWEN2_1_5B: dict[str, Any] = {
     "num_attention_heads": 12, "num_key_value_heads": 2, "vocab_size": 151936,
     "intermediate_size": 8960, "max_position_embeddings": 131072, "tie_word_embeddings": True,
 }
+
+
+def base_dict(tmp_path: Path, data_file: Path) -> dict[str, Any]:
+    """A valid run on one 8-GPU node: Qwen3-30B-A3B, ep=8, colocated SGLang engines."""
+    return {
+        "model": {"path": str(tmp_path / "model")},
+        "data": {"train_files": [str(data_file)], "train_batch_size": 64,
+                 "max_prompt_length": 1024, "max_response_length": 2048},
+        "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 4,
+                  "parallel": {"ep": 8}},
+        "rollout": {"n": 8, "backend": "sglang"},
+        "resources": {"device": "cuda", "train_pool": {"nnodes": 1, "gpus_per_node": 8}},
+        "trainer": {"loggers": ["console"]},
+    }

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from config_archs import QWEN3_30B_A3B
+from config_archs import QWEN3_30B_A3B, base_dict
 
 from megarl.config import load_config_dict, validate_config
 from megarl.config.model_info import ModelInfo, model_info_from_dict
@@ -28,20 +28,6 @@ def data_file(tmp_path: Path) -> Path:
     path = tmp_path / "train.parquet"
     path.write_bytes(b"")
     return path
-
-
-def base_dict(tmp_path: Path, data_file: Path) -> dict[str, Any]:
-    """A valid run on one 8-GPU node: Qwen3-30B-A3B, ep=8, colocated SGLang engines."""
-    return {
-        "model": {"path": str(tmp_path / "model")},
-        "data": {"train_files": [str(data_file)], "train_batch_size": 64,
-                 "max_prompt_length": 1024, "max_response_length": 2048},
-        "actor": {"ppo_mini_batch_size": 16, "ppo_micro_batch_size_per_gpu": 4,
-                  "parallel": {"ep": 8}},
-        "rollout": {"n": 8, "backend": "sglang"},
-        "resources": {"device": "cuda", "train_pool": {"nnodes": 1, "gpus_per_node": 8}},
-        "trainer": {"loggers": ["console"]},
-    }
 
 
 class Checker:

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from config_archs import DEEPSEEK_V3, QWEN2_1_5B, QWEN3_30B_A3B
+from config_archs import DEEPSEEK_V3, QWEN2_1_5B, QWEN3_30B_A3B, base_dict
 
 from megarl.config import load_config_dict, validate_config
 from megarl.config.model_info import load_model_info
@@ -211,7 +211,6 @@ def test_b3_example_tp3_on_6_gpus_is_rejected_against_the_model(checker):
 
 
 def test_missing_model_dir_is_an_error_or_with_allow_a_warning(tmp_path, data_file):
-    from conftest import base_dict
 
     cfg, sources = load_config_dict(base_dict(tmp_path, data_file))
     problems = validate_config(cfg, sources=sources)
@@ -224,7 +223,6 @@ def test_missing_model_dir_is_an_error_or_with_allow_a_warning(tmp_path, data_fi
 
 
 def test_model_dir_without_config_json_is_always_an_error(tmp_path, data_file):
-    from conftest import base_dict
 
     (tmp_path / "model").mkdir()
     cfg, _ = load_config_dict(base_dict(tmp_path, data_file))
@@ -292,7 +290,6 @@ def test_files_are_read_from_real_paths(checker, tmp_path: Path):
 
 
 def test_file_problems_checks_only_files(tmp_path, data_file):
-    from conftest import base_dict
 
     from megarl.config.validate import file_problems
 
