@@ -43,8 +43,6 @@ from megarl.trainer_setup import Workers, build_workers, shutdown_workers
 
 # Config settings whose machinery is not part of this trainer yet: refused, never ignored.
 NOT_BUILT = (
-    ("trainer.worker_group", lambda c: c.trainer.worker_group == "naive",
-     "the no-Ray (torchrun) mode is not built yet; use trainer.worker_group=ray"),
     ("trainer.save_every", lambda c: c.trainer.save_every > 0,
      "checkpoint saving is not built into the trainer yet; set trainer.save_every=0"),
     ("scheduler.mode", lambda c: c.scheduler.mode != "colocate_sync",
@@ -62,10 +60,12 @@ class Trainer:
     def __init__(self, cfg: RunConfig, sources: dict[str, str] | None = None) -> None:
         self.cfg = cfg
         self.output_dir = Path(cfg.trainer.output_dir)
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "config.yaml").write_text(render_config(cfg, sources or {}))
+        if self.is_driver:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            (self.output_dir / "config.yaml").write_text(render_config(cfg, sources or {}))
         self.loop = asyncio.new_event_loop()
         self.weight_version = 0
+        self.steps_done = 0
         self.workers: Workers | None = None
 
     # ----- setup -----
@@ -91,8 +91,9 @@ class Trainer:
                                      num_workers=cfg.reward.num_workers,
                                      timeout_s=cfg.reward.timeout_s,
                                      format_score=cfg.reward.format_score)
-        self.workers = build_workers(cfg, self.output_dir, self.loop)
-        self.tracker = MultiTracker.from_names(cfg.trainer.loggers, TrackerSettings(
+        self.workers = build_workers(cfg, self.output_dir)
+        loggers = cfg.trainer.loggers if self.is_driver else []
+        self.tracker = MultiTracker.from_names(loggers, TrackerSettings(
             output_dir=self.output_dir, total_steps=cfg.trainer.total_steps,
             project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
             wandb_proxy=cfg.trainer.wandb_proxy, run_config=cfg.model_dump(mode="json")))
@@ -108,6 +109,27 @@ class Trainer:
             self.rewards.close()
         if getattr(self, "tracker", None) is not None:
             self.tracker.close()
+
+    def on_driver(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the driver. In the no-Ray mode every torchrun rank runs the trainer:
+        rank 0 runs ``fn`` and the others receive its result, so all ranks see the same data."""
+        if self.cfg.trainer.worker_group != "naive":
+            return fn()
+        import torch.distributed as dist
+
+        box = [fn() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @property
+    def is_driver(self) -> bool:
+        """Whether this process logs and writes outputs (always with Ray; rank 0 under
+        torchrun)."""
+        if self.cfg.trainer.worker_group != "naive":
+            return True
+        import torch.distributed as dist
+
+        return dist.get_rank() == 0
 
     def run(self, coro: Any) -> Any:
         """Run a coroutine of the async rollout client on the trainer's event loop."""
@@ -143,12 +165,12 @@ class Trainer:
         size = cfg.data.val_batch_size or len(rows)
         samples = []
         for batch in PromptLoader(rows, size, shuffle=False, drop_last=False):
-            samples += self.run(self.workers.client.generate([p["input_ids"] for p in batch],
-                                                             params, return_logprob=False))
-        result = self.rewards.score([
+            samples += self.on_driver(lambda b=batch: self.run(self.workers.client.generate(
+                [p["input_ids"] for p in b], params, return_logprob=False)))
+        result = self.on_driver(lambda: self.rewards.score([
             RewardSample(row["data_source"], tok.decode(s.response_ids, skip_special_tokens=True),
                          row["ground_truth"], row.get("extra_info") or {})
-            for row, s in zip(rows, samples)])
+            for row, s in zip(rows, samples)]))
         metrics = {"val/score/mean": sum(result.scores) / len(result.scores)}
         for source in sorted({row["data_source"] for row in rows}):
             scores = [x for row, x in zip(rows, result.scores) if row["data_source"] == source]
@@ -176,6 +198,7 @@ class Trainer:
             metrics.update(self.sync_weights())
         metrics["timing/step"] = time.perf_counter() - start
         metrics.update(self.batch_metrics(batch, metrics))
+        self.steps_done += 1
         return metrics
 
     def generate(self, prompts: list[dict[str, Any]]) -> StepBatch:
@@ -185,8 +208,12 @@ class Trainer:
         params = SamplingParams(max_new_tokens=cfg.data.max_response_length,
                                 temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                 top_k=cfg.rollout.top_k, n=cfg.rollout.n, stop_token_ids=stop)
-        samples = self.run(self.workers.client.generate([p["input_ids"] for p in prompts],
-                                                        params, return_logprob=True))
+        # one seed per prompt, from the run seed and the step: the samples do not depend on
+        # how the engines batch the requests, so a run is reproducible
+        base = (cfg.trainer.seed * 1_000_003 + self.steps_done * 10_007) % 2**31
+        seeds = [base + i * cfg.rollout.n for i in range(len(prompts))]
+        samples = self.on_driver(lambda: self.run(self.workers.client.generate(
+            [p["input_ids"] for p in prompts], params, return_logprob=True, seeds=seeds)))
         return StepBatch(samples=samples, prompts=prompts, n=cfg.rollout.n)
 
     def score(self, batch: StepBatch) -> dict[str, float]:
@@ -199,7 +226,7 @@ class Trainer:
             text = self.tokenizer.decode(sample.response_ids, skip_special_tokens=True)
             items.append(RewardSample(row["data_source"], text, row["ground_truth"],
                                       row.get("extra_info") or {}))
-        result = self.rewards.score(items)
+        result = self.on_driver(lambda: self.rewards.score(items))
         batch.scores = torch.tensor(result.scores, dtype=torch.float32)
         return dict(result.metrics)
 
@@ -294,6 +321,8 @@ class Trainer:
 
     def finish(self) -> None:
         """End of run: the PNG of the run's metrics and the Ray timeline."""
+        if not self.is_driver:
+            return
         from megarl.metrics.plot import plot_run
 
         jsonl = self.output_dir / "metrics.jsonl"
@@ -342,6 +371,10 @@ def train_main(argv: list[str]) -> int:
         return 2
     cfg, sources = loaded
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.trainer.worker_group == "naive":
+        from megarl.cluster import init_naive
+
+        init_naive(timeout_s=cfg.trainer.phase_timeout_s)
     trainer = Trainer(cfg, sources)
     try:
         trainer.setup()

@@ -10,6 +10,7 @@ the same code serves SGLang servers and megarl's embedded engines.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,34 +103,76 @@ def plan_buckets(specs: list[tuple[str, list[int]]], dtype: str,
     return [b for b in buckets if b]
 
 
-def _weight_sync(cfg: RunConfig, actor: Any, client: SGLangClient, loop: asyncio.AbstractEventLoop,
-                 num_engines: int, device: str) -> Callable[[str], int]:
+class _DriverHttp:
+    """SGLang control calls issued from a background thread with its own client and event
+    loop, so the driver can take part in the collective they pair with (the sender's
+    broadcasts run on the calling thread; under torchrun the driver is also actor rank 0)."""
+
+    def __init__(self, urls: list[str], calls: Callable[[SGLangClient], Any] | None) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._main, args=(urls, calls), daemon=True)
+        self.thread.start()
+
+    def _main(self, urls: list[str], calls: Callable[[SGLangClient], Any] | None) -> None:
+        async def run() -> None:
+            client = SGLangClient(urls)
+            try:
+                if calls is not None:
+                    await calls(client)
+            finally:
+                await client.close()
+
+        try:
+            asyncio.run(run())
+        except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread
+            self.error = err
+
+    def join(self, timeout_s: float, phase: str) -> None:
+        """Wait for the calls; re-raise their error."""
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"{phase}: the rollout engines did not answer within "
+                               f"{timeout_s:.0f} s (trainer.phase_timeout_s)")
+        if self.error is not None:
+            raise self.error
+
+
+def _weight_sync(cfg: RunConfig, actor: Any, urls: list[str], is_driver: bool,
+                 device: str) -> Callable[[str], int]:
     """Open the weight-update group and return the per-step sync function."""
     backend = "nccl" if device == "cuda" else "gloo"
     dtype = cfg.rollout.dtype or cfg.model.dtype
+    timeout = cfg.trainer.phase_timeout_s
+    world = 1 + len(urls)
     buckets = plan_buckets(actor.execute_all("weight_specs")[0], dtype,
                            cfg.checkpoint_engine.bucket_size_mb)
     address, port = actor.execute_all("weight_group_address")[0]
-    opening = actor.execute_all_async("open_weight_group", address, port, 1 + num_engines,
-                                      backend)
-    loop.run_until_complete(client.init_weights_update_group(address, port, 1 + num_engines,
-                                                             backend=backend))
-    opening.get(phase="open the weight-update group")
+    join_group = _DriverHttp(urls, (lambda c: c.init_weights_update_group(
+        address, port, world, backend=backend)) if is_driver else None)
+    actor.execute_all("open_weight_group", address, port, world, backend)
+    join_group.join(timeout, "open the weight-update group")
 
     def sync(version: str) -> int:
-        sending = actor.execute_all_async("broadcast_weights", dtype)
-        for k, bucket in enumerate(buckets):
-            last = k == len(buckets) - 1
-            loop.run_until_complete(client.update_weights_from_distributed(
-                [n for n, _ in bucket], [dtype] * len(bucket), [s for _, s in bucket],
-                weight_version=version if last else None, flush_cache=last))
-        return int(sending.get(phase="sync_weights")[0])
+        async def receive(client: SGLangClient) -> None:
+            for k, bucket in enumerate(buckets):
+                last = k == len(buckets) - 1
+                await client.update_weights_from_distributed(
+                    [n for n, _ in bucket], [dtype] * len(bucket), [s for _, s in bucket],
+                    weight_version=version if last else None, flush_cache=last)
+
+        receiving = _DriverHttp(urls, receive if is_driver else None)
+        sent = actor.execute_all("broadcast_weights", dtype)[0]
+        receiving.join(timeout, "sync_weights")
+        return int(sent)
 
     return sync
 
 
-def build_workers(cfg: RunConfig, output_dir: Path, loop: asyncio.AbstractEventLoop) -> Workers:
-    """Start Ray, the pools, the actor and rollout workers, and the weight-update group."""
+def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
+    """Start Ray, the pools, the actor and rollout workers, and the weight-update group (or,
+    with ``trainer.worker_group=naive``, the same parts inside the torchrun world)."""
+    if cfg.trainer.worker_group == "naive":
+        return build_naive_workers(cfg, output_dir)
     from megarl.cluster import RayWorkerGroup, create_pools, init_ray, resolve_device
 
     runtime = init_ray(cfg.ray.address, cfg.ray.num_cpus)
@@ -146,20 +189,71 @@ def build_workers(cfg: RunConfig, output_dir: Path, loop: asyncio.AbstractEventL
                              log_dir=log_dir, args=(engine_spec(cfg, log_dir),), env=env,
                              echo_logs=False, call_timeout_s=timeout)
     urls = [u for u in rollout.execute_all("wait_ready") if u]
-    client = SGLangClient(urls, timeout_s=timeout)
+    return _assemble(cfg, actor, rollout, urls, True, device, rollout.world_size,
+                     runtime.started_here)
+
+
+def _assemble(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
+              device: str, num_rollout_gpus: int, started_ray: bool) -> Workers:
     layouts = actor.execute_all("layout")
-    sync = _weight_sync(cfg, actor, client, loop, len(urls), device)
-    return Workers(actor=actor, rollout=rollout, client=client,
+    sync = _weight_sync(cfg, actor, urls, is_driver, device)
+    return Workers(actor=actor, rollout=rollout,
+                   client=SGLangClient(urls, timeout_s=cfg.trainer.phase_timeout_s),
                    dp_size=layouts[0]["dp_size"], dp_rank=[x["dp_rank"] for x in layouts],
                    reports=[bool(x["reports"]) for x in layouts],
-                   num_rollout_gpus=rollout.world_size, weight_sync=sync,
-                   started_ray=runtime.started_here)
+                   num_rollout_gpus=num_rollout_gpus, weight_sync=sync, started_ray=started_ray)
+
+
+def build_naive_workers(cfg: RunConfig, output_dir: Path) -> Workers:
+    """The no-Ray mode (PITFALLS M4): under torchrun every rank is an actor rank and runs the
+    trainer; rank 0 is the driver and starts the rollout engines as local server processes."""
+    import torch.distributed as dist
+
+    from megarl.cluster import NaiveWorkerGroup, init_naive
+    from megarl.rollout.local.launch import launch_local_engines
+
+    ctx = init_naive(timeout_s=cfg.trainer.phase_timeout_s)
+    if cfg.rollout.backend != "local":
+        raise ValueError("trainer.worker_group=naive runs the embedded engines only; set "
+                         "rollout.backend=local")
+    pool = cfg.resources.rollout_pool
+    num_engines = max(1, (pool.nnodes * pool.gpus_per_node if pool else 1)
+                      // cfg.rollout.gpus_per_engine)
+    spec = engine_spec(cfg, output_dir / "logs")
+    servers = []
+    if ctx.rank == 0:
+        servers = launch_local_engines(
+            cfg.model.path, num_engines, host=spec.host, device=ctx.device,
+            num_threads=spec.num_threads, log_dir=spec.log_dir,
+            extra_args=["--dtype", spec.dtype, "--random-seed", str(spec.seed)])
+    box = [[s.url for s in servers]]
+    dist.broadcast_object_list(box, src=0)
+    actor = NaiveWorkerGroup(ActorWorker, "actor", args=(actor_spec(cfg),),
+                             call_timeout_s=cfg.trainer.phase_timeout_s)
+    workers = _assemble(cfg, actor, _LocalServers(servers), box[0], ctx.rank == 0, ctx.device,
+                        num_engines, False)
+    return workers
+
+
+class _LocalServers:
+    """The rollout engines of the no-Ray mode: server processes owned by rank 0."""
+
+    def __init__(self, servers: list[Any]) -> None:
+        self.servers = servers
+
+    def execute_all(self, method: str) -> list[None]:
+        """Only ``stop`` is needed: stop every server this rank started."""
+        assert method == "stop", method
+        for server in self.servers:
+            server.stop()
+        return [None]
+
+    def shutdown(self) -> None:
+        """Nothing beyond ``stop``."""
 
 
 def shutdown_workers(workers: Workers, loop: asyncio.AbstractEventLoop) -> None:
     """Stop the engines and workers (and Ray when this job started it)."""
-    import ray
-
     try:
         loop.run_until_complete(workers.client.close())
         workers.rollout.execute_all("stop")
@@ -167,4 +261,10 @@ def shutdown_workers(workers: Workers, loop: asyncio.AbstractEventLoop) -> None:
         workers.rollout.shutdown()
         workers.actor.shutdown()
         if workers.started_ray:
+            import ray
+
             ray.shutdown()
+        if isinstance(workers.rollout, _LocalServers):
+            import torch.distributed as dist
+
+            dist.barrier()

@@ -3,7 +3,6 @@ engine over HTTP, SGLang-protocol weight sync, GRPO. Slow-ish (a Ray start and a
 
 from __future__ import annotations
 
-import asyncio
 import math
 import os
 from pathlib import Path

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Hashable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -119,15 +120,21 @@ class SGLangClient(RolloutEngine):
         return_routed_experts: bool = False,
         rids: Sequence[str] | None = None,
         group_keys: Sequence[Hashable] | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> list[RolloutSample]:
         """Generate ``params.n`` samples per prompt, prompt-major; ``group_keys`` (default:
-        the prompt's token ids) decide which requests share an engine."""
+        the prompt's token ids) decide which requests share an engine; ``seeds`` give each
+        prompt its own sampling seed (sample j of prompt i uses ``seeds[i] + j``), which makes
+        the samples independent of how the engine batches requests."""
         rids = list(rids) if rids is not None else [uuid.uuid4().hex for _ in prompts]
         if len(rids) != len(prompts):
             raise ValueError(f"rids: {len(rids)} ids for {len(prompts)} prompts")
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds: {len(seeds)} seeds for {len(prompts)} prompts")
         groups = await asyncio.gather(*(
             self.generate_one(
-                list(p), params, rid=rids[i], prompt_index=i,
+                list(p), params if seeds is None else replace(params, seed=int(seeds[i])),
+                rid=rids[i], prompt_index=i,
                 group_key=group_keys[i] if group_keys is not None else None,
                 return_logprob=return_logprob, return_routed_experts=return_routed_experts)
             for i, p in enumerate(prompts)))
