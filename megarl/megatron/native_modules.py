@@ -13,7 +13,8 @@ same with or without TE:
 | ``TERowParallelGroupedLinear``     | :class:`RowGroupedLinear`    | ``weight{k}`` (``bias{k}``)     |
 
 Norm parameters carry ``sequence_parallel`` like TE's, so megatron all-reduces their gradients
-over the TP group under sequence parallelism.
+over the TP group under sequence parallelism. The grouped linears' ``sharded_state_dict`` lays
+the local experts into global expert tensors like TE's, so dist-checkpoints reshard over EP/ETP.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ from megatron.core.tensor_parallel.random import get_expert_parallel_rng_tracker
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
 from megatron.core.utils import divide
 
 
@@ -308,6 +313,7 @@ class _GroupedLinear(MegatronModule):
         self.num_gemms = num_gemms
         self.skip_bias_add = skip_bias_add
         self.use_bias = bias
+        self.pg_collection = pg_collection
         kw = {"dtype": config.params_dtype, "device": param_device(config)}
         for k in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(output_size, input_size, **kw))
@@ -336,6 +342,52 @@ class _GroupedLinear(MegatronModule):
 
     def _weights(self) -> list[torch.Tensor]:
         return [getattr(self, f"weight{k}") for k in range(self.num_gemms)]
+
+    def _expert_groups(self) -> tuple[Any, Any, Any]:
+        """(expert-parallel, expert-TP, expert-DP) groups of this layer."""
+        pgs = self.pg_collection
+        if pgs is not None:
+            return pgs.ep, pgs.expt_tp, pgs.expt_dp
+        return (
+            mpu.get_expert_model_parallel_group(),
+            mpu.get_expert_tensor_parallel_group(),
+            mpu.get_expert_data_parallel_group(),
+        )
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict[str, Any]:
+        """``weight{k}`` (``bias{k}``) as shards of one global ``[experts, ...]`` tensor per name,
+        keyed ``{prefix}weight`` like TE's grouped linear: an expert axis at the *global* expert
+        index (EP rank * local experts + k), then the expert-TP axis, replicated over expert-DP.
+        Checkpoints therefore reshard across EP/ETP and match the TE spec's expert tensors
+        (TE's fp8 ``_extra_state`` objects aside)."""
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        ep_group, etp_group, edp_group = self._expert_groups()
+        num_global = ep_group.size() * self.num_gemms
+        first_global = ep_group.rank() * self.num_gemms
+        column = self.parallel_mode == "column"
+        axis_map = {"weight": 0, "bias": 0} if column else {"weight": 1}
+        expert_axis = len(sharded_offsets)
+        out: dict[str, Any] = {}
+        for k in range(self.num_gemms):
+            tensors = {"weight": getattr(self, f"weight{k}")}
+            if self.use_bias:
+                tensors["bias"] = getattr(self, f"bias{k}")
+            offsets = (*sharded_offsets, (expert_axis, first_global + k, num_global))
+            shards = make_sharded_tensors_for_checkpoint(
+                tensors,
+                prefix,
+                axis_map,
+                offsets,
+                tp_group=etp_group,
+                dp_cp_group=metadata["dp_cp_group"],
+            )
+            for name in tensors:
+                sharded = shards[f"{prefix}{name}"]
+                sharded.replica_id = (*sharded.replica_id[:2], edp_group.rank())
+                out[f"{prefix}{name}{k}"] = sharded
+        return out
 
     def _biases(self) -> list[torch.Tensor]:
         return [getattr(self, f"bias{k}") for k in range(self.num_gemms)]

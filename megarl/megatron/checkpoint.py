@@ -1,0 +1,465 @@
+"""Actor checkpoints: model, optimizer, LR schedule progress, RNG states, step and the trainer's
+``extra`` state, saved with megatron-core dist-checkpointing and published atomically.
+
+A checkpoint root holds one directory per saved step and a pointer to the newest one::
+
+    <root>/step_00000012/   megatron dist checkpoint (metadata.json, .metadata, *.distcp,
+                            common.pt) and megarl.json (step, model fingerprint, layout)
+    <root>/latest           "step_00000012"
+
+Saving writes into ``<root>/step_00000012.tmp-<id>``; once every rank has written its shards
+(barrier), rank 0 renames it to its final name, then replaces ``latest`` (temporary file +
+``os.replace``), then removes the oldest directories beyond ``keep_last``. A crash at any point
+leaves ``latest`` on the previous complete checkpoint; the stale temporary directory is removed
+by the next save. Every rank must see the same file system path (one writer per root).
+
+Tensors are saved as global tensors (``sharded_state_dict``: TP/PP/EP shards with their
+offsets), so a checkpoint loads under another TP/PP/EP/DP layout; the optimizer state uses the
+distributed optimizer's ``fully_reshardable`` format (per parameter, in model space). RNG
+states are per rank and restored only under the same layout and world size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+from megarl.megatron import cpu_compat
+from megarl.megatron.model import ActorModel
+from megarl.megatron.optimizer import TrainableActor
+
+FORMAT_VERSION = 1
+MANIFEST = "megarl.json"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_LEFTOVER_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
+_OPTIMIZER_METADATA = {
+    "distrib_optim_sharding_type": "fully_reshardable",
+    # parameter-keyed optimizer state, the same whichever sub-optimizer holds a parameter
+    "chained_optim_avoid_prefix": True,
+}
+# HF config fields that fix the shapes and meaning of the weights
+_ARCHITECTURE_FIELDS = (
+    "model_type",
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "n_shared_experts",
+    "first_k_dense_replace",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "qk_nope_head_dim",
+    "v_head_dim",
+)
+
+
+@dataclass
+class LoadedCheckpoint:
+    """What :func:`load_checkpoint` restored."""
+
+    path: Path
+    """The checkpoint directory."""
+    step: int
+    """The step it was saved at."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The ``extra`` dict given to :func:`save_checkpoint`."""
+    optimizer_restored: bool = False
+    """Whether optimizer state and LR-schedule progress were loaded."""
+    rng_restored: bool = False
+    """Whether RNG states were restored (same layout and world size only)."""
+
+
+def model_fingerprint(hf_config: Any) -> dict[str, Any]:
+    """The architecture fields of an HF config (those present), which a checkpoint must match."""
+    config = getattr(hf_config, "text_config", None) or hf_config
+    values = config.to_dict()
+    return {name: values[name] for name in _ARCHITECTURE_FIELDS if values.get(name) is not None}
+
+
+def current_layout() -> dict[str, int | None]:
+    """This process's megatron layout and world size (recorded in each checkpoint)."""
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": mpu.get_tensor_model_parallel_world_size(),
+        "pp": mpu.get_pipeline_model_parallel_world_size(),
+        "vpp": mpu.get_virtual_pipeline_model_parallel_world_size(),
+        "ep": mpu.get_expert_model_parallel_world_size(),
+        "etp": mpu.get_expert_tensor_parallel_world_size(),
+        "cp": mpu.get_context_parallel_world_size(),
+        "dp": mpu.get_data_parallel_world_size(),
+    }
+
+
+def step_dir_name(step: int) -> str:
+    """The directory name of the checkpoint of ``step``."""
+    if step < 0:
+        raise ValueError(f"checkpoint step={step}: must be >= 0")
+    return f"step_{step:08d}"
+
+
+def list_checkpoints(root: str | Path) -> list[Path]:
+    """Complete checkpoint directories under ``root``, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(root: str | Path) -> Path | None:
+    """The directory ``<root>/latest`` names, or the newest complete one if the pointer is
+    missing or dangling; None when there is no checkpoint."""
+    root = Path(root)
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if _STEP_DIR.match(target.name) and (target / MANIFEST).is_file():
+            return target
+    complete = list_checkpoints(root)
+    return complete[-1] if complete else None
+
+
+def _chunk_modules(model: ActorModel) -> list[torch.nn.Module]:
+    """The GPT modules of the chunks (without their DDP wrapper, whose names add ``module.``)."""
+    return [c.module if isinstance(c, DistributedDataParallel) else c for c in model.chunks]
+
+
+def _model_sharded_state_dict(model: ActorModel) -> dict[str, Any]:
+    modules = _chunk_modules(model)
+    if len(modules) == 1:
+        return {"model": modules[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _rng_sharded_object(state: Any) -> ShardedObject:
+    """One RNG state per global rank."""
+    world = dist.get_world_size()
+    return ShardedObject("megarl.rng_state", state, (world,), (dist.get_rank(),), replica_id=0)
+
+
+def _sharded_state_dict(
+    target: ActorModel | TrainableActor, with_optimizer: bool, with_rng: bool, loading: bool
+) -> dict[str, Any]:
+    model = target.model if isinstance(target, TrainableActor) else target
+    state = _model_sharded_state_dict(model)
+    if with_optimizer:
+        state["optimizer"] = target.optimizer.sharded_state_dict(
+            state, is_loading=loading, metadata=dict(_OPTIMIZER_METADATA)
+        )
+    if with_rng:
+        state["rng_state"] = _rng_sharded_object(None if loading else _rng_state())
+    return state
+
+
+def _agreed_token() -> str:
+    """A random id chosen on rank 0 and shared with every rank."""
+    token = [uuid.uuid4().hex[:12] if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    return token[0]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def save_checkpoint(
+    root: str | Path,
+    target: ActorModel | TrainableActor,
+    step: int,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Save ``target`` (its optimizer and LR schedule too for a TrainableActor), the RNG states,
+    ``step`` and ``extra`` under ``root``; collective over all ranks. ``extra`` must be picklable
+    and the same on every rank (rank 0's is stored). Keeps the newest ``keep_last`` checkpoints
+    (all if None). Returns the published directory."""
+    cpu_compat.enable()
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last}: keep at least 1 checkpoint, or None for all")
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f"{final.name}.tmp-{_agreed_token()}"
+    if dist.get_rank() == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_stale_temporaries(root)
+        tmp.mkdir()
+    dist.barrier()
+    model = target.model if isinstance(target, TrainableActor) else target
+    actor = target if isinstance(target, TrainableActor) else None
+    with_optimizer = actor is not None and _has_state(actor)
+    state = _sharded_state_dict(target, with_optimizer, with_rng=True, loading=False)
+    state["megarl"] = {"step": step, "extra": dict(extra or {})}
+    if actor is not None:
+        state["megarl"]["scheduler"] = actor.scheduler.state_dict()
+    dist_checkpointing.save(state, str(tmp))
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "model": model_fingerprint(model.hf_config),
+        "layout": current_layout(),
+        "has_optimizer": with_optimizer,
+    }
+    dist.barrier()
+    if dist.get_rank() == 0:
+        _write_file_atomically(tmp / MANIFEST, json.dumps(manifest, indent=2))
+        _publish(tmp, final)
+        _write_file_atomically(root / LATEST, final.name)
+        if keep_last is not None:
+            _rotate(root, keep_last, keep=final)
+    dist.barrier()
+    return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the fully written ``tmp`` directory to ``final`` (replacing an older save of the
+    same step)."""
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(final.parent)
+
+
+def _remove_stale_temporaries(root: Path) -> None:
+    """Clean up after interrupted saves: remove ``.tmp-`` directories (never published) and
+    ``.old-`` ones (replaced by a newer save of their step), or put an ``.old-`` one back if the
+    save that replaced it stopped before publishing."""
+    for path in root.iterdir():
+        match = _LEFTOVER_DIR.match(path.name)
+        if match is None:
+            continue
+        final = root / path.name.split(".")[0]
+        if match.group(1) == "old" and not final.exists():
+            os.rename(path, final)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _rotate(root: Path, keep_last: int, keep: Path) -> None:
+    """Remove the oldest complete checkpoints beyond ``keep_last`` (never ``keep``)."""
+    complete = list_checkpoints(root)
+    for path in complete[: max(len(complete) - keep_last, 0)]:
+        if path != keep:
+            shutil.rmtree(path)
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The ``megarl.json`` of a checkpoint directory."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        raise FileNotFoundError(
+            f"{manifest}: not a megarl checkpoint directory (no {MANIFEST}); pass a directory "
+            "written by save_checkpoint or its root"
+        )
+    return json.loads(manifest.read_text())
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory itself, or the latest checkpoint of a root."""
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    latest = latest_checkpoint(path)
+    if latest is None:
+        raise FileNotFoundError(
+            f"{path}: no checkpoint found (neither {MANIFEST} nor step_* directories with one); "
+            "check the checkpoint path"
+        )
+    return latest
+
+
+def check_same_model(saved: dict[str, Any], hf_config: Any, path: Path) -> None:
+    """Raise ValueError naming every architecture field that differs from the checkpoint's."""
+    current = model_fingerprint(hf_config)
+    differing = [
+        f"{name}: checkpoint {saved.get(name)!r}, model {current.get(name)!r}"
+        for name in sorted(set(saved) | set(current))
+        if saved.get(name) != current.get(name)
+    ]
+    if differing:
+        raise ValueError(
+            f"checkpoint {path} was saved from a different model ("
+            + "; ".join(differing)
+            + "); load it into a model built from the same HF config, or use another "
+            "checkpoint directory"
+        )
+
+
+def load_checkpoint(
+    path: str | Path,
+    target: ActorModel | TrainableActor,
+    *,
+    load_optimizer: bool = True,
+    load_rng: bool = True,
+) -> LoadedCheckpoint:
+    """Load a checkpoint (a directory, or a root's latest) into ``target``, under any layout;
+    collective over all ranks. A TrainableActor also gets its optimizer state and LR-schedule
+    progress (if saved and ``load_optimizer``); RNG states come back only under the saved
+    layout."""
+    cpu_compat.enable()
+    path = resolve_checkpoint(path)
+    manifest = read_manifest(path)
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{path}/{MANIFEST}: format_version {manifest.get('format_version')} is not "
+            f"{FORMAT_VERSION}; it was written by another megarl version"
+        )
+    model = target.model if isinstance(target, TrainableActor) else target
+    check_same_model(manifest["model"], model.hf_config, path)
+    actor = target if isinstance(target, TrainableActor) else None
+    with_optimizer = (
+        load_optimizer and actor is not None and _has_state(actor) and manifest["has_optimizer"]
+    )
+    with_rng = load_rng and manifest["layout"] == current_layout()
+    if with_optimizer:
+        _initialise_adam_state(actor)
+    request = _sharded_state_dict(target, with_optimizer, with_rng, loading=True)
+    loaded = dist_checkpointing.load(request, str(path))
+    modules = _chunk_modules(model)
+    for i, module in enumerate(modules):
+        module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"])
+    common = loaded["megarl"]
+    if with_optimizer:
+        _load_optimizer_state(actor, loaded["optimizer"])
+    elif actor is not None:
+        # main (fp32) copies of low-precision parameters follow the loaded weights
+        actor.optimizer.reload_model_params()
+    if actor is not None and load_optimizer and "scheduler" in common:
+        _restore_schedule_progress(actor, common["scheduler"])
+    if with_rng:
+        _set_rng_state(loaded["rng_state"])
+    return LoadedCheckpoint(
+        path=path,
+        step=int(common["step"]),
+        extra=common["extra"],
+        optimizer_restored=with_optimizer,
+        rng_restored=with_rng,
+    )
+
+
+def _has_state(actor: TrainableActor) -> bool:
+    """Whether the optimizer keeps per-parameter state (Adam; plain SGD keeps none)."""
+    return actor.settings.optimizer == "adam"
+
+
+def _initialise_adam_state(actor: TrainableActor) -> None:
+    """Give every parameter of a never-stepped Adam a zero state with ``step``, as its first
+    step would: megatron's distributed optimizer reads ``step`` from the state when it builds
+    the state dict to load into (without TE or apex)."""
+    chain = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    for opt in chain:
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                state = inner.state[param]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(param)
+                    state["exp_avg_sq"] = torch.zeros_like(param)
+
+
+def _load_optimizer_state(actor: TrainableActor, state: dict[str, Any]) -> None:
+    """``actor.optimizer.load_state_dict(state)``, working around megatron-core 0.16's
+    distributed optimizer without TE or apex: torch Adam keeps ``step`` in each parameter's
+    state, which the ``fully_reshardable`` loader expects to find in the checkpoint's
+    per-parameter tensors too (it keeps it in the param groups), and it gives all parameters
+    one shared ``step`` tensor. The parameter state is loaded with ``step`` set aside, then
+    each parameter gets its own copy."""
+    chain = getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
+    parts = [state] if len(chain) == 1 else [v for _, v in sorted(state.items())]
+    for opt, part in zip(chain, parts):
+        if not isinstance(opt, DistributedOptimizer):
+            opt.load_state_dict(part)
+            continue
+        param_state = part.pop("param_state")
+        sharding = part.pop("param_state_sharding_type")
+        if sharding != _OPTIMIZER_METADATA["distrib_optim_sharding_type"]:
+            raise ValueError(
+                f"optimizer state saved as {sharding!r}; megarl checkpoints use "
+                f"{_OPTIMIZER_METADATA['distrib_optim_sharding_type']!r}"
+            )
+        opt.load_state_dict(part)
+        steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for param, step in steps.items():
+            # megatron hands every parameter the same step tensor; torch Adam increments each
+            # parameter's step in place, so they must not alias
+            opt.optimizer.state[param]["step"] = step.clone()
+
+
+def _restore_schedule_progress(actor: TrainableActor, saved: dict[str, Any]) -> None:
+    """Advance the LR schedule to the saved step count; the schedule's shape (peak LR, warm-up,
+    decay) stays the one configured now."""
+    scheduler = actor.scheduler
+    scheduler.step(increment=int(saved["num_steps"]) - scheduler.num_steps)
