@@ -6,6 +6,10 @@
 - :mod:`~megarl.weights.update`: the protocol of one update (:class:`WeightSender`,
   :class:`WeightUpdateEndpoint`).
 - :mod:`~megarl.weights.checksums`: per-tensor hashes both sides compute the same way.
+- :mod:`~megarl.weights.export`: the Megatron model's HF-named tensor stream
+  (:class:`MegatronExporter`, :func:`sync_weights`).
+- :mod:`~megarl.weights.links`: control links to the engines (:class:`~megarl.weights.links.
+  HttpLink` for engine servers, :class:`~megarl.weights.links.PipeLink` for child processes).
 """
 
 from megarl.weights.buckets import (
@@ -22,6 +26,7 @@ from megarl.weights.buckets import (
     unpack,
 )
 from megarl.weights.checksums import checksums, tensor_checksum, verify
+from megarl.weights.export import MegatronExporter, sync_weights
 from megarl.weights.receiver import StateDictReceiver, WeightMismatch, WeightReceiver
 from megarl.weights.update import (
     EngineLink,
@@ -32,8 +37,9 @@ from megarl.weights.update import (
 )
 
 __all__ = [
-    "Bucket", "BucketMeta", "BucketPlan", "BufferPool", "EngineLink", "StateDictReceiver",
-    "TensorMeta", "TensorSpec", "UpdateRejected", "UpdateReport", "WeightMismatch",
-    "WeightReceiver", "WeightSender", "WeightUpdateEndpoint", "checksums", "dtype_name", "pack",
-    "parse_dtype", "specs_of", "tensor_checksum", "unpack", "verify",
+    "Bucket", "BucketMeta", "BucketPlan", "BufferPool", "EngineLink", "MegatronExporter",
+    "StateDictReceiver", "TensorMeta", "TensorSpec", "UpdateRejected", "UpdateReport",
+    "WeightMismatch", "WeightReceiver", "WeightSender", "WeightUpdateEndpoint", "checksums",
+    "dtype_name", "pack", "parse_dtype", "specs_of", "sync_weights", "tensor_checksum", "unpack",
+    "verify",
 ]

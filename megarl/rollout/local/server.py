@@ -4,8 +4,10 @@
 ``megarl serve``). Request and response shapes are SGLang's (see
 shared/reference/SGLANG_API.md), so megarl's SGLang client drives this server and real SGLang
 servers alike. Bad requests get HTTP 400 with ``{"object": "error", "message": ...}`` and the
-server keeps serving. Binds loopback unless told otherwise: ``/update_weights_from_tensor``
-unpickles its payload, as SGLang does, so the port must not face untrusted clients.
+server keeps serving. ``POST /megarl/weights`` also hosts megarl's own checkpoint-engine
+protocol (:mod:`megarl.rollout.local.checkpoint_engine`). Binds loopback unless told otherwise:
+``/update_weights_from_tensor`` unpickles its payload, as SGLang does (and the ``ipc``
+transport maps shared memory named by the caller), so the port must not face untrusted clients.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from megarl.rollout.interface import SamplingParams
+from megarl.rollout.local.checkpoint_engine import CheckpointEndpoint
 from megarl.rollout.local.engine import MEMORY_TAGS, LocalEngine
 from megarl.rollout.local.engine import Request as EngineRequest
 from megarl.rollout.local.model_runner import ModelRunner
@@ -76,6 +79,8 @@ class ServerState:
     limits: Limits
     model_path: str
     args: dict[str, Any]
+    checkpoint: CheckpointEndpoint
+    """megarl's checkpoint-engine protocol (``POST /megarl/weights``)."""
 
 
 def load_tokenizer(model_path: str) -> Any:
@@ -262,6 +267,12 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
         body = await _body(request)
         return _outcome(*await asyncio.to_thread(receiver.check, _field(body, "action", str)))
 
+    @app.post("/megarl/weights")
+    async def megarl_weights(request: Request) -> Any:
+        body = await _body(request)
+        _field(body, "op", str)
+        return await asyncio.to_thread(state.checkpoint.handle, body)
+
 
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving ``state``'s engine."""
@@ -320,8 +331,10 @@ def create_state(args: argparse.Namespace) -> ServerState:
                          weight_version=args.weight_version, seed=args.random_seed)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model)
     limits = Limits(runner.vocab_size, runner.context_length, runner.router.num_layers > 0)
-    state = ServerState(engine, WeightReceiver(engine), tokenizer, limits, args.model,
-                        {k: v for k, v in vars(args).items()})
+    receiver = WeightReceiver(engine)
+    state = ServerState(engine, receiver, tokenizer, limits, args.model,
+                        {k: v for k, v in vars(args).items()},
+                        CheckpointEndpoint(engine, receiver))
     engine.start()
     return state
 

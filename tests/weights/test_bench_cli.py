@@ -1,0 +1,48 @@
+"""``megarl bench``: the dispatcher, and a smoke run of ``weight-sync`` on a tiny model."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megarl.bench import bench_main
+from megarl.cli import main as cli_main
+from megarl.data.tiny_model import make_tiny_model
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_bench_lists_benchmarks_and_refuses_unbuilt_ones(capsys: pytest.CaptureFixture) -> None:
+    assert cli_main(["bench"]) == 0
+    listing = capsys.readouterr().out
+    assert "weight-sync" in listing and "rollout" in listing and "actor" in listing
+    assert bench_main(["actor"]) == 3
+    assert "not built in this version" in capsys.readouterr().err
+    assert bench_main(["nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+    assert bench_main(["weight-sync", "--engines", "0"]) == 2
+
+
+def test_weight_sync_smoke(tmp_path: Path) -> None:
+    """Every backend moves the tiny model to one engine, every tensor checked, figures printed."""
+    model = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", with_tokenizer=False)
+    run = subprocess.run(
+        [sys.executable, "-m", "megarl.cli", "bench", "weight-sync", "--model", str(model),
+         "--engines", "1", "--bucket-mb", "0.05", "--repeats", "1", "--work-dir", str(tmp_path)],
+        check=False, capture_output=True, text=True, timeout=220,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = run.stdout
+    assert re.search(r"floor \(memory copy\): [0-9.]+ GB/s", out), out
+    for backend in ("nccl", "nixl", "ipc", "disk"):
+        row = re.search(rf"^{backend}\s+([0-9.]+)\s+([0-9.]+)\s+([0-9.]+)\s+(\d+)\s+([0-9.]+)"
+                        rf"\s+(\d+)$", out, re.MULTILINE)
+        assert row is not None, out
+        seconds, _, _, buckets, _, checked = row.groups()
+        assert float(seconds) > 0 and int(buckets) >= 8 and int(checked) == 45, row.group(0)
+
