@@ -27,17 +27,20 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="session")
+# Module scope: every megatron parallel state a test builds leaves gloo groups (and their
+# polling threads) behind in the rank processes; a pool kept for the whole session would burn the
+# CPU of every later test module.
+@pytest.fixture(scope="module")
 def pool1():
-    """One gloo rank, reused by every test of the session."""
+    """One gloo rank, reused by the tests of one module."""
     pool = RankPool(1)
     yield pool
     pool.close()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def pool2():
-    """Two gloo ranks on 127.0.0.1, reused by every test of the session."""
+    """Two gloo ranks on 127.0.0.1, reused by the tests of one module."""
     pool = RankPool(2)
     yield pool
     pool.close()
