@@ -179,3 +179,16 @@ def stop_all(servers: Sequence[ManagedServer]) -> None:
     """Stop every server."""
     for server in servers:
         server.stop()
+
+
+def start_all(servers: Sequence[ManagedServer], ready_timeout_s: float) -> list[ManagedServer]:
+    """Start every server, then wait until each is healthy; on any failure stop them all."""
+    for server in servers:
+        server.start()
+    try:
+        for server in servers:
+            server.wait_ready(ready_timeout_s)
+    except BaseException:
+        stop_all(servers)
+        raise
+    return list(servers)

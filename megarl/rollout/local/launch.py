@@ -6,7 +6,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from megarl.rollout.process import ManagedServer, free_port
+from megarl.rollout.process import ManagedServer, free_port, start_all
 
 
 def build_local_command(model_path: str, *, host: str = "127.0.0.1", port: int = 30000,
@@ -29,19 +29,11 @@ def launch_local_engines(model_path: str, num_engines: int = 1, *, host: str = "
                          ready_timeout_s: float = 300.0) -> list[ManagedServer]:
     """Start ``num_engines`` embedded servers and wait until each is healthy."""
     ports = list(ports) if ports is not None else [free_port(host) for _ in range(num_engines)]
-    servers = []
-    for i, port in enumerate(ports):
-        argv = build_local_command(model_path, host=host, port=port, device=device,
-                                   num_threads=num_threads, extra_args=extra_args)
-        log = Path(log_dir) / f"engine_{i}.log" if log_dir else None
-        server = ManagedServer(argv, f"http://{host}:{port}", name=f"engine[{i}]", log_path=log)
-        server.start()
-        servers.append(server)
-    try:
-        for server in servers:
-            server.wait_ready(ready_timeout_s)
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers
+    servers = [
+        ManagedServer(build_local_command(model_path, host=host, port=port, device=device,
+                                          num_threads=num_threads, extra_args=extra_args),
+                      f"http://{host}:{port}", name=f"engine[{i}]",
+                      log_path=Path(log_dir) / f"engine_{i}.log" if log_dir else None)
+        for i, port in enumerate(ports)
+    ]
+    return start_all(servers, ready_timeout_s)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megarl.rollout.process import ManagedServer
+from megarl.rollout.process import ManagedServer, start_all
 
 INSTALL_HINT = ("install it on the rollout nodes with `pip install \"sglang[all]>=0.5.4\"` "
                 "(or `pip install -e '.[sglang]'` in the megarl checkout, which also installs "
@@ -133,21 +133,13 @@ def launch_sglang_engines(configs: Sequence[SGLangLaunchConfig], *,
                           ready_timeout_s: float = 1800.0) -> list[ManagedServer]:
     """Start one SGLang server per config and wait until each passes ``/health_generate``."""
     require_module("sglang", python)
-    servers = []
-    for i, cfg in enumerate(configs):
-        log = Path(log_dir) / f"sglang_{i}.log" if log_dir else None
-        server = ManagedServer(build_sglang_command(cfg, python), cfg.url, name=f"sglang[{i}]",
-                               log_path=log, health_path="/health_generate")
-        server.start()
-        servers.append(server)
-    try:
-        for server in servers:
-            server.wait_ready(ready_timeout_s)
-    except BaseException:
-        for server in servers:
-            server.stop()
-        raise
-    return servers
+    servers = [
+        ManagedServer(build_sglang_command(cfg, python), cfg.url, name=f"sglang[{i}]",
+                      log_path=Path(log_dir) / f"sglang_{i}.log" if log_dir else None,
+                      health_path="/health_generate")
+        for i, cfg in enumerate(configs)
+    ]
+    return start_all(servers, ready_timeout_s)
 
 
 def launch_router(worker_urls: Sequence[str], *, host: str = "127.0.0.1", port: int = 30000,
