@@ -9,6 +9,7 @@ group returns the same values.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -16,6 +17,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.megatron import cpu_compat
@@ -58,8 +60,41 @@ def make_micro_batches(
     )
     device = next(model.chunks[0].parameters()).device
     align = sequence_alignment(model)
-    batches = [pack_sequences([sequences[i] for i in g], align).to(device) for g in groups]
+    batches = []
+    for g in groups:
+        packed = pack_sequences([sequences[i] for i in g], align)
+        max_len = packed.packed_seq_params().max_seqlen_q  # from host tensors: no device sync
+        batches.append(packed.to(device))
+        _remember_max_len(batches[-1], max_len)
     return batches, groups
+
+
+# id(batch) -> (weak reference to the batch, its longest padded sequence), for batches made by
+# make_micro_batches; the entry goes when the batch does
+_MAX_LEN: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def _remember_max_len(batch: PackedBatch, max_len: int) -> None:
+    key = id(batch)
+    _MAX_LEN[key] = (weakref.ref(batch, lambda _ref: _MAX_LEN.pop(key, None)), max_len)
+
+
+def packed_seq_params(batch: PackedBatch) -> PackedSeqParams:
+    """megatron's THD descriptor of ``batch``; for batches from :func:`make_micro_batches` the
+    longest sequence is known on the host, so no device synchronisation is needed."""
+    hit = _MAX_LEN.get(id(batch))
+    if hit is None or hit[0]() is not batch:
+        return batch.packed_seq_params()
+    padded = batch.cu_seqlens_padded
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=batch.cu_seqlens,
+        cu_seqlens_kv=batch.cu_seqlens,
+        cu_seqlens_q_padded=padded,
+        cu_seqlens_kv_padded=padded,
+        max_seqlen_q=hit[1],
+        max_seqlen_kv=hit[1],
+    )
 
 
 def gpt_forward(chunk: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
@@ -69,7 +104,7 @@ def gpt_forward(chunk: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
         batch.input_ids,
         batch.position_ids,
         None,
-        packed_seq_params=batch.packed_seq_params(),
+        packed_seq_params=packed_seq_params(batch),
     )
 
 

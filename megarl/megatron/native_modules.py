@@ -20,7 +20,7 @@ the local experts into global expert tensors like TE's, so dist-checkpoints resh
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,8 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
 )
 from megatron.core.utils import divide
+
+from megarl.megatron.native_ops import flash_varlen_attention, flash_varlen_supported, rms_norm
 
 
 def param_device(config: TransformerConfig) -> torch.device | str:
@@ -77,13 +79,12 @@ def _normalize(
     eps: float,
     config: TransformerConfig,
 ) -> torch.Tensor:
-    """RMSNorm computed in fp32 and scaled in the input dtype (as HF does), or LayerNorm."""
+    """RMSNorm (fused on CUDA; on the CPU computed in fp32 and scaled in the input dtype, as HF
+    does), or LayerNorm."""
     gamma = weight + 1 if config.layernorm_zero_centered_gamma else weight
     if config.normalization == "LayerNorm":
         return F.layer_norm(x, (x.shape[-1],), gamma, bias, eps)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return gamma * h.to(x.dtype)
+    return rms_norm(x, gamma, eps)
 
 
 class NativeNorm(MegatronModule):
@@ -121,7 +122,10 @@ class NormColumnParallelLinear(ColumnParallelLinear):
         skip_weight_param_allocation: bool = False,
         tp_comm_buffer_name: str | None = None,
         tp_group: torch.distributed.ProcessGroup | None = None,
+        name: str | None = None,
     ) -> None:
+        # megatron-core >= 0.19 names every module (``name``); older versions take no name
+        named = {} if name is None else {"name": name}
         super().__init__(
             input_size,
             output_size,
@@ -135,6 +139,7 @@ class NormColumnParallelLinear(ColumnParallelLinear):
             is_expert=is_expert,
             tp_comm_buffer_name=tp_comm_buffer_name,
             tp_group=tp_group,
+            **named,
         )
         self.eps = config.layernorm_epsilon
         _norm_params(self, config, input_size, prefix="layer_norm_")
@@ -214,7 +219,21 @@ class SDPAttention(MegatronModule):
         params: PackedSeqParams,
         causal: bool,
     ) -> torch.Tensor:
+        """Attention inside each packed sequence. With megarl's padded offsets (which end at the
+        last token) it runs without host synchronisation: one SDPA call for a single sequence, one
+        FlashAttention varlen call for several on CUDA; otherwise one SDPA call per sequence."""
         cu = params.cu_seqlens_q_padded
+        dropout = self.dropout_p if self.training else 0.0
+        if cu is not None and causal:
+            if cu.numel() == 2:
+                # [t, h, d] -> [1, h, t, d]
+                q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))
+                return self._sdpa(q, k, v, None, True)[0].transpose(0, 1)
+            if flash_varlen_supported(query, dropout):
+                max_len = params.max_seqlen_q
+                if max_len is None:
+                    max_len = int((cu[1:] - cu[:-1]).max())
+                return flash_varlen_attention(query, key, value, cu, max_len, self.softmax_scale)
         if cu is None:
             cu = params.cu_seqlens_q
         bounds = cu.tolist()
@@ -262,19 +281,23 @@ def _grouped_mm_supported(x: torch.Tensor, weight_t: torch.Tensor) -> bool:
 
 
 def grouped_linear(
-    x: torch.Tensor, weights: list[torch.Tensor], m_splits: list[int]
+    x: torch.Tensor, weights: list[torch.Tensor], m_splits: Sequence[int] | torch.Tensor
 ) -> torch.Tensor:
     """``cat([x_k @ W_k^T])`` for row blocks ``x_k`` of sizes ``m_splits``; one grouped GEMM when
-    ``torch._grouped_mm`` supports the operands, a loop of ``F.linear`` otherwise."""
+    ``torch._grouped_mm`` supports the operands, a loop of ``F.linear`` otherwise. ``m_splits``
+    may be a tensor on ``x``'s device: the grouped GEMM then runs without host synchronisation."""
     weight_t = torch.stack(weights).transpose(1, 2)  # [E, in, out]
     if _grouped_mm_supported(x, weight_t):
-        offs = torch.tensor(m_splits, device=x.device).cumsum(0).to(torch.int32)
+        sizes = torch.as_tensor(m_splits, device=x.device)
+        offs = sizes.cumsum(0).to(torch.int32)
         out = torch._grouped_mm(x, weight_t, offs=offs)
         if out.requires_grad:
             # the grouped GEMM backward needs a dense gradient (e.g. not one from expand())
             out.register_hook(lambda grad: grad.contiguous())
         return out
-    chunks = x.split(m_splits)
+    if isinstance(m_splits, torch.Tensor):
+        m_splits = m_splits.tolist()
+    chunks = x.split(list(m_splits))
     return torch.cat([F.linear(c, w) for c, w in zip(chunks, weights)], dim=0)
 
 
@@ -297,6 +320,7 @@ class _GroupedLinear(MegatronModule):
         is_expert: bool = True,
         tp_comm_buffer_name: str | None = None,
         pg_collection: Any = None,
+        name: str | None = None,
     ) -> None:
         super().__init__(config=config)
         if not is_expert:
@@ -392,14 +416,15 @@ class _GroupedLinear(MegatronModule):
     def _biases(self) -> list[torch.Tensor]:
         return [getattr(self, f"bias{k}") for k in range(self.num_gemms)]
 
-    def forward(self, x: torch.Tensor, m_splits: list[int]):
-        """Apply expert ``k``'s weight to the ``k``-th block of rows; returns (output, bias)."""
+    def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor):
+        """Apply expert ``k``'s weight to the ``k``-th block of rows (``m_splits``: a list, or a
+        tensor on the device); returns (output, bias)."""
         out = grouped_linear(x, self._weights(), m_splits)
         if not self.use_bias:
             return out, None
         if self.skip_bias_add:
             return out, self._biases()
-        sizes = torch.tensor(m_splits, device=x.device)
+        sizes = torch.as_tensor(m_splits, device=x.device)
         return out + torch.stack(self._biases()).repeat_interleave(sizes, dim=0), None
 
 

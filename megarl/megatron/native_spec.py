@@ -5,22 +5,25 @@ The native spec mirrors ``get_gpt_layer_with_transformer_engine_spec`` slot for 
 modules of :mod:`megarl.megatron.native_modules`, so the model has TE's parameter names (fused
 ``linear_qkv.layer_norm_weight``, ``linear_fc1.layer_norm_weight``, ``q_layernorm``,
 ``experts.linear_fc1.weight{k}``, ...). Unlike megatron's "local" spec it supports sequence
-parallelism, attends through SDPA and runs the experts as a grouped GEMM.
+parallelism, attends through SDPA / FlashAttention varlen and runs the experts as a grouped GEMM;
+the attention, MLP and MoE layers are the subclasses of :mod:`megarl.megatron.native_layers`
+(fused RoPE and SwiGLU, MoE permutation without host synchronisation).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.experts import TEGroupedMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -34,6 +37,12 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
+from megarl.megatron.native_layers import (
+    NativeGroupedMLP,
+    NativeMLP,
+    NativeMoELayer,
+    NativeSelfAttention,
+)
 from megarl.megatron.native_modules import (
     ColumnGroupedLinear,
     NativeNorm,
@@ -83,7 +92,7 @@ def native_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
         )
     qk_norm = NativeNorm if config.qk_layernorm else IdentityOp
     attention = ModuleSpec(
-        module=SelfAttention,
+        module=NativeSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=NormColumnParallelLinear,
@@ -95,10 +104,10 @@ def native_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
     )
     if moe:
         mlp = ModuleSpec(
-            module=MoELayer,
+            module=NativeMoELayer,
             submodules=MoESubmodules(
                 experts=ModuleSpec(
-                    module=TEGroupedMLP,
+                    module=NativeGroupedMLP,
                     submodules=MLPSubmodules(
                         linear_fc1=ColumnGroupedLinear, linear_fc2=RowGroupedLinear
                     ),
@@ -113,11 +122,8 @@ def native_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
             metainfo={"fuse_pre_mlp_layernorm": False},
         )
     else:
-        mlp = ModuleSpec(
-            module=MLP,
-            submodules=MLPSubmodules(
-                linear_fc1=NormColumnParallelLinear, linear_fc2=RowParallelLinear
-            ),
+        mlp = _dense_mlp(
+            MLPSubmodules(linear_fc1=NormColumnParallelLinear, linear_fc2=RowParallelLinear)
         )
     return ModuleSpec(
         module=TransformerLayer,
@@ -129,6 +135,15 @@ def native_layer_spec(config: TransformerConfig, moe: bool) -> ModuleSpec:
             mlp_bda=get_bias_dropout_add,
         ),
     )
+
+
+def _dense_mlp(submodules: MLPSubmodules) -> ModuleSpec | Callable[..., NativeMLP]:
+    """The dense MLP slot. megatron-core >= 0.19 hands a TransformerLayer's ``mlp`` the process
+    groups and re-wraps only its own ``MLP`` class into ``MLP.as_mlp_submodule``, which takes
+    them; subclasses are given that builder directly."""
+    if hasattr(NativeMLP, "as_mlp_submodule"):
+        return functools.partial(NativeMLP.as_mlp_submodule, submodules=submodules)
+    return ModuleSpec(module=NativeMLP, submodules=submodules)
 
 
 def moe_layer_pattern(config: TransformerConfig) -> list[bool]:

@@ -1,12 +1,16 @@
 """Log-probabilities and entropy over a vocabulary split across tensor-parallel ranks.
 
 Each TP rank holds logits for a contiguous slice of the vocabulary. The softmax statistics
-(max, sum of exponentials, target logit, sum of p*z) are reduced over the TP group, so no rank
+(max, sum of exponentials, target logit, sum of exp * z) are reduced over the TP group, so no rank
 ever holds full-vocabulary logits. One autograd function computes both outputs and their
 gradient with respect to the local logits:
 
 - log p_t = z_t - logZ,            d/dz_k = 1[k = t] - p_k
 - H = logZ - sum_k p_k z_k,        d/dz_k = -p_k (log p_k + H)
+
+The logits stay in their own dtype (bf16 on GPU): fp32 copies exist only for a chunk of rows at a
+time (:data:`CHUNK_ELEMENTS`), in the forward and again in the backward, which recomputes them
+from the saved logits. Two all-reduces per call (the max, then the three sums together).
 """
 
 from __future__ import annotations
@@ -14,56 +18,71 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# logit for vocabulary rows that pad the output layer beyond the tokenizer's vocabulary
-_MASKED_LOGIT = -1e30
+CHUNK_ELEMENTS = 1 << 26
+"""fp32 elements (256 MiB) of one chunk of rows processed at a time."""
+
+
+def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
+    step = max(1, CHUNK_ELEMENTS // max(cols, 1))
+    return [(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, target, vocab_start, vocab_size, group):
-        """(log_probs, entropy) from the local logits ``z`` (already divided by temperature)."""
-        local_vocab = z.shape[-1]
-        padded_cols = min(vocab_start + local_vocab - vocab_size, local_vocab)
-        if padded_cols > 0:
-            z = z.clone()
-            z[..., local_vocab - padded_cols :] = _MASKED_LOGIT
-        z_max = z.max(dim=-1).values
+    def forward(ctx, logits, target, vocab_start, valid_cols, temperature, group):
+        """(log_probs, entropy) ``[N]`` of ``logits [N, V_local] / temperature``; columns from
+        ``valid_cols`` on are output-layer padding."""
+        rows = logits.shape[0]
+        z = logits[:, :valid_cols]
+        if valid_cols > 0:
+            z_max = z.amax(dim=-1).float() / temperature
+        else:
+            z_max = logits.new_full((rows,), float("-inf"), dtype=torch.float32)
         _all_reduce(z_max, dist.ReduceOp.MAX, group)
-        shifted_exp = torch.exp(z - z_max.unsqueeze(-1))
-        sum_exp = shifted_exp.sum(dim=-1)
-        _all_reduce(sum_exp, dist.ReduceOp.SUM, group)
-        log_z = z_max + torch.log(sum_exp)
 
+        sums = torch.zeros(3, rows, dtype=torch.float32, device=logits.device)
+        for start, end in _row_chunks(rows, valid_cols) if valid_cols > 0 else []:
+            zf = z[start:end].float() / temperature
+            shifted_exp = torch.exp(zf - z_max[start:end, None])
+            sums[0, start:end] = shifted_exp.sum(dim=-1)
+            sums[2, start:end] = (shifted_exp * zf).sum(dim=-1)
         local_index = target - vocab_start
-        in_shard = (local_index >= 0) & (local_index < local_vocab)
-        local_index = local_index.clamp(0, local_vocab - 1)
-        target_logit = z.gather(-1, local_index.unsqueeze(-1)).squeeze(-1) * in_shard
-        _all_reduce(target_logit, dist.ReduceOp.SUM, group)
-        log_probs = target_logit - log_z
+        in_shard = (local_index >= 0) & (local_index < valid_cols)
+        local_index = local_index.clamp(0, max(valid_cols - 1, 0))
+        target_logit = logits.gather(-1, local_index.unsqueeze(-1)).squeeze(-1).float()
+        sums[1] = target_logit / temperature * in_shard
+        _all_reduce(sums, dist.ReduceOp.SUM, group)
 
-        probs = shifted_exp / sum_exp.unsqueeze(-1)
-        expected_logit = (probs * z).sum(dim=-1)
-        _all_reduce(expected_logit, dist.ReduceOp.SUM, group)
-        entropy = log_z - expected_logit
-
-        ctx.save_for_backward(z, log_z, entropy, local_index, in_shard)
+        log_z = z_max + torch.log(sums[0])
+        log_probs = sums[1] - log_z
+        entropy = log_z - sums[2] / sums[0]
+        ctx.save_for_backward(logits, log_z, entropy, local_index, in_shard)
+        ctx.valid_cols, ctx.temperature = valid_cols, temperature
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        """Gradient with respect to the local logits only (no communication)."""
-        z, log_z, entropy, local_index, in_shard = ctx.saved_tensors
-        log_p = z - log_z.unsqueeze(-1)
-        probs = torch.exp(log_p)
-        grad = torch.zeros_like(z)
-        if grad_log_probs is not None:
-            grad -= probs * grad_log_probs.unsqueeze(-1)
-            grad.scatter_add_(
-                -1, local_index.unsqueeze(-1), (grad_log_probs * in_shard).unsqueeze(-1)
-            )
-        if grad_entropy is not None:
-            grad -= probs * (log_p + entropy.unsqueeze(-1)) * grad_entropy.unsqueeze(-1)
-        return grad, None, None, None, None
+        """Gradient with respect to the local logits only (no communication), chunk by chunk."""
+        logits, log_z, entropy, local_index, in_shard = ctx.saved_tensors
+        valid_cols, temperature = ctx.valid_cols, ctx.temperature
+        grad_logits = torch.zeros_like(logits)
+        for start, end in _row_chunks(logits.shape[0], valid_cols) if valid_cols > 0 else []:
+            rows = slice(start, end)
+            log_p = (logits[rows, :valid_cols].float() / temperature).sub_(log_z[rows, None])
+            probs = torch.exp(log_p)
+            # -dL/dz = p * (g_lp + g_ent * (log p + H)), then the target column gets + g_lp
+            if grad_entropy is not None:
+                coef = log_p.add_(entropy[rows, None]).mul_(grad_entropy[rows, None])
+                if grad_log_probs is not None:
+                    coef.add_(grad_log_probs[rows, None])
+            else:
+                coef = grad_log_probs[rows, None]
+            grad = probs.mul_(coef).neg_()
+            if grad_log_probs is not None:
+                g = grad_log_probs[rows] * in_shard[rows]
+                grad.scatter_add_(-1, local_index[rows].unsqueeze(-1), g.unsqueeze(-1))
+            grad_logits[rows, :valid_cols] = grad.div_(temperature)
+        return grad_logits, None, None, None, None, None
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group) -> None:
@@ -84,15 +103,20 @@ def vocab_parallel_log_probs(
 
     ``logits`` is ``[..., V_local]``: this rank's vocabulary slice starting at ``vocab_start``,
     reduced over ``group`` (None: a single rank holds the whole vocabulary). Columns at global
-    index >= ``vocab_size`` (output-layer padding) are excluded. Computed in fp32;
-    differentiable in ``logits``.
+    index >= ``vocab_size`` (output-layer padding) are excluded. Computed in fp32 chunk by chunk;
+    differentiable in ``logits`` (the gradient has ``logits``' dtype).
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
-    total = vocab_start + logits.shape[-1]
+    local_vocab = logits.shape[-1]
+    total = vocab_start + local_vocab
     if group is not None:
-        total = logits.shape[-1] * dist.get_world_size(group)
-    z = logits.float() / temperature
-    return _VocabParallelLogProbs.apply(
-        z, target, vocab_start, total if vocab_size is None else vocab_size, group
+        total = local_vocab * dist.get_world_size(group)
+    vocab_size = total if vocab_size is None else vocab_size
+    valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
+    lead = target.shape
+    log_probs, entropy = _VocabParallelLogProbs.apply(
+        logits.reshape(-1, local_vocab), target.reshape(-1), vocab_start, valid_cols,
+        float(temperature), group,
     )
+    return log_probs.view(lead), entropy.view(lead)

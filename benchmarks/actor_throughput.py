@@ -1,0 +1,390 @@
+"""Actor training-step throughput: megarl's Megatron model (native spec) vs HF transformers.
+
+Both sides are built from the same random HF checkpoint (bf16 on GPU) and run forward + backward
+of the per-token log-prob loss on the same random tokens (never zeros):
+
+- ``hf``: ``AutoModelForCausalLM`` with SDPA attention and transformers' own MoE experts, loss
+  ``cross_entropy(logits.float(), targets)`` (what HF does when given labels);
+- ``megatron``: megarl's actor path, i.e. :func:`megarl.megatron.model.build_actor_model` with the
+  native spec, a packed (THD) micro-batch, ``gpt_forward`` and ``logits_to_log_probs``.
+
+Each step is timed with CUDA events after warm-up (median of ``--steps``). Reported per shape:
+tokens/s of both, their ratio, achieved TFLOP/s (model FLOPs: 6 x active matmul parameters per
+token + causal attention) and MFU against the bf16 matmul rate measured in the same run.
+
+    python benchmarks/actor_throughput.py --smoke          # tiny shapes on CPU, seconds
+    python benchmarks/actor_throughput.py                  # dense ~1B and small MoE on GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megarl.data.tiny_model import tiny_config_dict
+
+# HF config overrides per shape: arch plus tiny_config_dict fields.
+SHAPES: dict[str, dict[str, Any]] = {
+    "dense": {
+        "arch": "qwen3",
+        "hidden_size": 2048,
+        "num_hidden_layers": 16,
+        "intermediate_size": 5632,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 32000,
+        "max_position_embeddings": 8192,
+    },
+    "moe": {
+        "arch": "qwen3_moe",
+        "hidden_size": 1024,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 512,
+        "intermediate_size": 2816,
+        "vocab_size": 32000,
+        "max_position_embeddings": 8192,
+    },
+}
+SMOKE_SHAPES: dict[str, dict[str, Any]] = {
+    "dense": {"arch": "qwen3", "num_hidden_layers": 2},
+    "moe": {"arch": "qwen3_moe", "num_hidden_layers": 2},
+}
+
+
+def measure_ceilings(device: str) -> dict[str, float]:
+    """Measured bf16 matmul rate (TFLOP/s, 8192^3 on random data) and device-to-device copy
+    bandwidth (GB/s, bytes read + written) of this GPU."""
+    n = 8192
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    matmul_s = time_cuda(lambda: a @ b, warmup=3, repeats=10)
+    src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)  # 2 GiB
+    dst = torch.empty_like(src)
+    copy_s = time_cuda(lambda: dst.copy_(src), warmup=3, repeats=10)
+    return {
+        "bf16_matmul_tflops": 2 * n**3 / matmul_s / 1e12,
+        "copy_gb_per_s": 2 * src.numel() * src.element_size() / copy_s / 1e9,
+    }
+
+
+def time_cuda(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """Median seconds per call of ``fn`` (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def train_flops_per_token(cfg: Any, seq_len: int) -> float:
+    """Model FLOPs of forward + backward per token: 6 x active matmul parameters (attention
+    projections, MLP or routed experts and router, output layer) + causal attention scores."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    nq, nkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    attn_params = h * nq * d * 2 + h * nkv * d * 2
+    if getattr(cfg, "num_experts", None):
+        mlp_params = (
+            h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+        )
+    else:
+        mlp_params = 3 * h * cfg.intermediate_size
+    params = cfg.num_hidden_layers * (attn_params + mlp_params) + h * cfg.vocab_size
+    attention = cfg.num_hidden_layers * 2 * 2 * nq * d * (seq_len + 1) / 2
+    return 3 * (2 * params + attention)
+
+
+def write_hf_model(root: Path, shape: dict[str, Any], device: str, dtype: torch.dtype) -> Path:
+    """A random HF checkpoint of ``shape`` (initialised on ``device``) saved under ``root``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    overrides = dict(shape)
+    cfg_dict = tiny_config_dict(overrides.pop("arch"), **overrides)
+    cfg_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
+    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(root, safe_serialization=True)
+    return root
+
+
+class HFStep:
+    """One forward + backward of HF transformers' causal LM loss on one sequence."""
+
+    def __init__(
+        self, model_dir: Path, tokens: torch.Tensor, device: str, dtype: torch.dtype
+    ) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa")
+            .to(device)
+            .train()
+        )
+        self.ids = tokens[None, :-1].to(device)
+        self.targets = tokens[1:].to(device)
+        self.experts = getattr(self.model.config, "_experts_implementation", None)
+
+    def __call__(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        logits = self.model(input_ids=self.ids).logits
+        loss = F.cross_entropy(logits[0].float(), self.targets)
+        loss.backward()
+
+
+class MegatronStep:
+    """One forward + backward of megarl's actor log-prob loss on one packed micro-batch."""
+
+    def __init__(self, model_dir: Path, sequences: list[torch.Tensor], dtype: torch.dtype) -> None:
+        from megarl.megatron.logprobs import make_micro_batches
+        from megarl.megatron.model import build_actor_model
+        from megarl.megatron.parallel import ParallelSizes
+
+        self.model = build_actor_model(model_dir, ParallelSizes(), dtype, spec="native")
+        (self.batch,), _ = make_micro_batches(self.model, sequences, None)
+        self.chunk = self.model.chunks[0].train()
+
+    def __call__(self) -> None:
+        from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs
+
+        self.chunk.zero_grad(set_to_none=True)
+        logits = gpt_forward(self.chunk, self.batch)
+        log_probs, _ = logits_to_log_probs(self.model, logits, self.batch.targets, 1.0)
+        loss = -log_probs.mean()
+        loss.backward()
+
+
+def profile_step(step: Callable[[], None], path: Path, steps: int = 3) -> dict[str, float]:
+    """Profile ``steps`` calls; write the op table to ``path``; return device-busy and wall
+    milliseconds per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    step()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    averages = prof.key_averages()
+    sort = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    text = [
+        averages.table(sort_by=sort, row_limit=45),
+        averages.table(sort_by="cpu_time_total", row_limit=30),
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n\n".join(text))
+    busy_us = (
+        sum(
+            getattr(e, "self_device_time_total", 0.0)
+            for e in averages
+            if e.device_type == torch.autograd.DeviceType.CPU
+        )
+        / steps
+    )
+    return {"profiled_wall_ms": wall_ms, "device_busy_ms": busy_us / 1e3}
+
+
+def find_host_syncs(step: Callable[[], None], path: Path) -> int:
+    """Run ``step`` once with CUDA's sync debug mode on; write where it synchronised with the
+    device to ``path``; returns the number of synchronisations."""
+    import collections
+    import warnings
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites = collections.Counter(
+        f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+    )
+    path.write_text("\n".join(f"{n:4d} {site}" for site, n in sites.most_common()))
+    return sum(sites.values())
+
+
+def run_shape(
+    name: str,
+    shape: dict[str, Any],
+    args: argparse.Namespace,
+    root: Path,
+    ceilings: dict[str, float],
+) -> dict[str, Any]:
+    """Build both sides of one shape and time them; returns the figures."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model_dir = write_hf_model(root / name, shape, device, dtype)
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, cfg.vocab_size, (args.seq_len + 1,), generator=gen)
+    # the packed side scores the same seq_len predicted tokens as HF: its sequences overlap by one
+    bounds = torch.linspace(0, args.seq_len, args.packed_seqs + 1).long().tolist()
+    sequences = [tokens[a : b + 1] for a, b in itertools.pairwise(bounds)]
+    sides = {
+        "hf": lambda: HFStep(model_dir, tokens, device, dtype),
+        "megatron": lambda: MegatronStep(model_dir, sequences, dtype),
+    }
+    flops = train_flops_per_token(cfg, args.seq_len // args.packed_seqs)
+    out: dict[str, Any] = {
+        "shape": name,
+        "seq_len": args.seq_len,
+        "packed_seqs": args.packed_seqs,
+        "train_gflop_per_token": flops / 1e9,
+    }
+    for side, build in sides.items():
+        step = build()
+        if side == "hf":
+            out["hf_experts_implementation"] = step.experts
+        seconds = time_cuda(step, warmup=args.warmup, repeats=args.steps)
+        tps = args.seq_len / seconds
+        out[f"{side}_tokens_per_s"] = tps
+        out[f"{side}_tflops"] = tps * flops / 1e12
+        if ceilings:
+            out[f"{side}_mfu"] = tps * flops / 1e12 / ceilings["bf16_matmul_tflops"]
+        if device == "cuda":
+            out[f"{side}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        if args.profile:
+            folder = Path(args.profile)
+            prof = profile_step(step, folder / f"profile_{name}_{side}.txt")
+            out.update({f"{side}_{k}": v for k, v in prof.items()})
+            if device == "cuda":
+                out[f"{side}_host_syncs"] = find_host_syncs(
+                    step, folder / f"syncs_{name}_{side}.txt"
+                )
+        del step
+        if device == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+    out["ratio"] = out["megatron_tokens_per_s"] / out["hf_tokens_per_s"]
+    if device == "cuda":
+        from megarl.megatron import native_ops
+
+        kernels = native_ops.triton_kernels()
+        out["triton_kernels"] = kernels.verdicts() if kernels is not None else {}
+    return out
+
+
+def init_single_rank() -> None:
+    """A one-rank process group (NCCL on GPU, gloo on CPU) for megatron's parallel state."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def print_table(rows: list[dict[str, Any]], ceilings: dict[str, float]) -> None:
+    """One line per shape and side."""
+    if ceilings:
+        print(
+            f"ceilings: bf16 matmul {ceilings['bf16_matmul_tflops']:.0f} TFLOP/s, "
+            f"copy {ceilings['copy_gb_per_s']:.0f} GB/s"
+        )
+    for r in rows:
+        for side in ("hf", "megatron"):
+            mfu = f"  MFU {r[side + '_mfu']:6.1%}" if f"{side}_mfu" in r else ""
+            print(
+                f"{r['shape']:>6} {side:>9}: {r[side + '_tokens_per_s']:10.0f} tokens/s  "
+                f"{r[side + '_tflops']:7.1f} TFLOP/s{mfu}"
+            )
+        print(f"{r['shape']:>6}     ratio: {r['ratio']:.2f}x megatron/hf")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark; print a table and one JSON line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI)")
+    p.add_argument("--shapes", default="dense,moe", help="comma-separated: dense, moe")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch")
+    p.add_argument(
+        "--packed-seqs",
+        type=int,
+        default=1,
+        help="sequences packed into the megatron micro-batch (THD)",
+    )
+    p.add_argument("--warmup", type=int, default=None)
+    p.add_argument("--steps", type=int, default=None, help="timed steps (median kept)")
+    p.add_argument("--profile", default=None, help="folder for torch.profiler op tables")
+    p.add_argument("--out", default=None, help="write the JSON summary to this file")
+    args = p.parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.smoke:
+        p.error("no CUDA device: run with --smoke (tiny shapes on CPU)")
+    args.seq_len = args.seq_len or (64 if args.smoke else 4096)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.smoke else 3)
+    args.steps = args.steps or (2 if args.smoke else 10)
+    if not on_gpu:
+        torch.set_num_threads(min(2, torch.get_num_threads()))
+    init_single_rank()
+    ceilings = measure_ceilings("cuda") if on_gpu else {}
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.shapes.split(","):
+            rows.append(run_shape(name, shapes[name], args, Path(tmp), ceilings))
+            from megarl.megatron.parallel import destroy_parallel
+
+            destroy_parallel()
+    print_table(rows, ceilings)
+    summary = {
+        "bench": "actor_throughput",
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "torch": torch.__version__,
+        "ceilings": ceilings,
+        "rows": rows,
+    }
+    print(json.dumps(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

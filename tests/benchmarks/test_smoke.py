@@ -1,0 +1,44 @@
+"""The benchmarks' ``--smoke`` modes run on the CPU (tiny models, seconds) and report figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load(script: str):
+    """Import ``benchmarks/<script>.py`` as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{script}",
+                                                  ROOT / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rollout_smoke_reports_engine_and_generate(tmp_path, capsys):
+    out = tmp_path / "rollout.json"
+    assert load("rollout_throughput").main(
+        ["--smoke", "--no-http", "--repeats", "1", "--scenarios", "fixed",
+         "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert set(row["results"]["fixed"]) == {"hf_generate", "engine"}
+    assert all(v > 0 for v in row["results"]["fixed"].values())
+
+
+def test_actor_smoke_reports_both_sides(tmp_path):
+    # its own process: the benchmark joins a one-rank gloo group and builds megatron state
+    out = tmp_path / "actor.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "actor_throughput.py"), "--smoke",
+                    "--steps", "1", "--warmup", "0", "--out", str(out)],
+                   check=True, env=env, cwd=ROOT, capture_output=True, timeout=120)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"] for r in rows] == ["dense", "moe"]
+    for r in rows:
+        assert r["hf_tokens_per_s"] > 0 and r["megatron_tokens_per_s"] > 0 and r["ratio"] > 0
