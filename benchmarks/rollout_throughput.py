@@ -4,16 +4,22 @@ Measures tokens/s of (1) one batched, left-padded ``model.generate`` call over a
 baseline), (2) megarl's embedded engine in-process (continuous batching, per-token log-probs),
 and (3) the same engine behind its HTTP server driven by megarl's SGLang client (skipped with
 ``--no-http`` or when fastapi/uvicorn are missing); each with its ratio to the baseline.
-All runs sample (temperature 1, no top-k/top-p) and ignore EOS. Two scenarios:
+All runs sample (temperature 1, no top-k/top-p) and ignore EOS. Scenarios:
 - ``fixed``: every prompt gets ``max_new_tokens`` tokens (static batching's best case);
 - ``varied``: prompt i gets its own length in [max_new_tokens / 8, max_new_tokens], as RL
   responses end at EOS at different lengths; ``generate`` must run the batch to the longest, and
   only the requested tokens count for every method.
-The best of ``--repeats`` timed rounds is kept per method, after one warm-up round; methods
-alternate within a round (the machine may be shared, GPU clocks ramp up).
+The best of ``--repeats`` timed rounds is kept per method (``--hf-repeats`` for ``generate``),
+after one warm-up round.
+
+On GPU (``--device cuda``) the models are random ``--shapes``: ``dense`` (Qwen3-0.6B: 28 layers,
+hidden 1024, tied 151936 vocabulary) and ``moe`` (12 layers, hidden 1024, 32 experts, top-4), in
+bf16, 64 prompts of 256 tokens, 256 sampled tokens each. Each engine figure is also given as a
+fraction of the decode memory-bandwidth floor: the weights plus every row's KV cache read once
+per decode step, over the device-to-device copy bandwidth measured in the same run.
 
     python benchmarks/rollout_throughput.py --smoke            # seconds, CPU
-    python benchmarks/rollout_throughput.py --device cuda      # a larger random MoE on GPU
+    python benchmarks/rollout_throughput.py --device cuda --no-http
 """
 
 from __future__ import annotations
@@ -28,30 +34,87 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megarl.data.tiny_model import make_tiny_model
+from megarl.data.tiny_model import make_tiny_model, tiny_config_dict
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.engine import LocalEngine, Request
 from megarl.rollout.local.model_runner import ModelRunner
 
-# Random Qwen3-MoE sizes: (hidden, layers, experts, moe_intermediate, vocab).
-PRESETS = {"smoke": (64, 2, 4, 32, 128), "cpu": (256, 4, 8, 128, 1024),
-           "gpu": (1024, 8, 32, 512, 32000)}
+# Random model shapes: make_tiny_model arch plus config overrides.
+SHAPES: dict[str, dict[str, Any]] = {
+    "smoke": {
+        "arch": "qwen3_moe",
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_experts": 4,
+        "moe_intermediate_size": 32,
+        "vocab_size": 128,
+    },
+    "cpu": {
+        "arch": "qwen3_moe",
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_experts": 8,
+        "moe_intermediate_size": 128,
+        "intermediate_size": 1024,
+        "vocab_size": 1024,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 32,
+    },
+    "dense": {
+        "arch": "qwen3",
+        "hidden_size": 1024,
+        "num_hidden_layers": 28,
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "tie_word_embeddings": True,
+        "rope_theta": 1e6,
+    },
+    "moe": {
+        "arch": "qwen3_moe",
+        "hidden_size": 1024,
+        "num_hidden_layers": 12,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "moe_intermediate_size": 768,
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "rope_theta": 1e6,
+    },
+}
 SAMPLING = SamplingParams(temperature=1.0, ignore_eos=True)
 
 
-def build_model(root: Path, preset: str) -> Path:
-    """A random Qwen3-MoE directory of the given preset size."""
-    hidden, layers, experts, inter, vocab = PRESETS[preset]
-    return make_tiny_model(
-        root / preset, arch="qwen3_moe", with_tokenizer=False, hidden_size=hidden,
-        num_hidden_layers=layers, num_experts=experts, moe_intermediate_size=inter,
-        intermediate_size=4 * hidden, vocab_size=vocab, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=hidden // 8, max_position_embeddings=4096)
+def build_model(root: Path, shape: str, device: str) -> Path:
+    """A random model directory of the given shape (on GPU: initialised there, saved in bf16)."""
+    overrides = dict(SHAPES[shape])
+    arch = overrides.pop("arch")
+    if not device.startswith("cuda"):
+        return make_tiny_model(
+            root / shape, arch=arch, with_tokenizer=False, max_position_embeddings=4096, **overrides
+        )
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = tiny_config_dict(arch, max_position_embeddings=4096, **overrides)
+    cfg["torch_dtype"] = "bfloat16"
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(root / shape, safe_serialization=True)
+    return root / shape
 
 
 def make_prompts(count: int, low: int, high: int, vocab: int) -> list[list[int]]:
@@ -75,16 +138,25 @@ class HFGenerate:
         ids = torch.zeros(len(prompts), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
         self.model, self.width = model, width
         self.ids, self.mask = ids.to(device), mask.to(device)
 
     def __call__(self, lengths: list[int]) -> None:
         longest = max(lengths)
-        out = self.model.generate(self.ids, attention_mask=self.mask, max_new_tokens=longest,
-                                  min_new_tokens=longest, do_sample=True, temperature=1.0,
-                                  top_k=0, top_p=1.0, eos_token_id=None, pad_token_id=0)
+        out = self.model.generate(
+            self.ids,
+            attention_mask=self.mask,
+            max_new_tokens=longest,
+            min_new_tokens=longest,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
         assert out.shape[1] - self.width == longest
 
 
@@ -95,8 +167,10 @@ class InProcessEngine:
         self.engine, self.prompts = engine, prompts
 
     def __call__(self, lengths: list[int]) -> None:
-        futures = [self.engine.submit(Request(f"r{i}", p, dataclasses.replace(
-            SAMPLING, max_new_tokens=n))) for i, (p, n) in enumerate(zip(self.prompts, lengths))]
+        futures = [
+            self.engine.submit(Request(f"r{i}", p, dataclasses.replace(SAMPLING, max_new_tokens=n)))
+            for i, (p, n) in enumerate(zip(self.prompts, lengths))
+        ]
         assert [len(f.result()[0].output_ids) for f in futures] == lengths
 
 
@@ -111,9 +185,12 @@ class OverHTTP:
 
         client = SGLangClient([self.url])
         try:
-            groups = await asyncio.gather(*(
-                client.generate_one(p, dataclasses.replace(SAMPLING, max_new_tokens=n))
-                for p, n in zip(self.prompts, lengths)))
+            groups = await asyncio.gather(
+                *(
+                    client.generate_one(p, dataclasses.replace(SAMPLING, max_new_tokens=n))
+                    for p, n in zip(self.prompts, lengths)
+                )
+            )
         finally:
             await client.close()
         assert [len(g[0].response_ids) for g in groups] == lengths
@@ -122,47 +199,152 @@ class OverHTTP:
         asyncio.run(self._run(lengths))
 
 
-def measure(methods: dict[str, Callable[[list[int]], None]], scenarios: dict[str, list[int]],
-            repeats: int, device: str) -> dict[str, dict[str, float]]:
-    """Best tokens/s per scenario and method; methods alternate within each round so drifting
-    machine conditions (clocks, neighbours) hit all of them alike; round 0 is a warm-up."""
+def measure(
+    methods: dict[str, Callable[[list[int]], None]],
+    scenarios: dict[str, list[int]],
+    repeats: dict[str, int],
+    device: str,
+) -> dict[str, dict[str, float]]:
+    """Best tokens/s per scenario and method after one warm-up call each (``generate`` warms up
+    on 8 tokens); methods alternate within a round so drifting machine conditions (clocks,
+    neighbours) hit all of them alike."""
     best: dict[str, dict[str, float]] = {s: {m: float("inf") for m in methods} for s in scenarios}
-    for round_ in range(repeats + 1):
+    for round_ in range(max(repeats.values()) + 1):
         for scenario, lengths in scenarios.items():
             for name, method in methods.items():
+                if round_ > repeats[name]:
+                    continue
+                warm = round_ == 0
                 sync(device)
                 start = time.perf_counter()
-                method(lengths)
+                method([min(n, 8) for n in lengths] if warm and name == "hf_generate" else lengths)
                 sync(device)
-                if round_ > 0:
+                if not warm:
                     best[scenario][name] = min(best[scenario][name], time.perf_counter() - start)
     return {s: {m: sum(scenarios[s]) / t for m, t in by.items()} for s, by in best.items()}
 
 
-def run_all(args: argparse.Namespace, model_dir: Path, runner: ModelRunner,
-            scenarios: dict[str, list[int]], prompts: list[list[int]],
-            ) -> dict[str, dict[str, float]]:
-    """Set up every method, measure, tear down."""
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth in bytes/s (bytes read + written), median of 10."""
+    src = torch.randn(1 << 30, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() * src.element_size() / sorted(times)[len(times) // 2]
+
+
+def decode_floor_tokens_per_s(
+    model: torch.nn.Module, prompts: list[list[int]], lengths: list[int], bandwidth: float
+) -> float:
+    """Generated tokens/s if every decode step only read the weights (the input embedding table
+    aside, unless tied) and each running row's KV cache once, at ``bandwidth``."""
+    cfg = model.config
+    params = {id(p): p for p in model.parameters()}
+    weight_bytes = sum(p.numel() * p.element_size() for p in params.values())
+    embed = model.get_input_embeddings().weight
+    if embed is not model.get_output_embeddings().weight:
+        weight_bytes -= embed.numel() * embed.element_size()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = (
+        cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim * embed.element_size()
+    )
+    total_bytes = 0.0
+    for step in range(max(lengths)):
+        cached = sum(len(p) + step for p, n in zip(prompts, lengths) if step < n)
+        total_bytes += weight_bytes + cached * kv_per_token
+    return sum(lengths) / (total_bytes / bandwidth)
+
+
+def run_shape(args: argparse.Namespace, shape: str, root: Path) -> dict[str, Any]:
+    """Set up every method for one model shape, measure, tear down; returns the figures."""
+    on_gpu = args.device.startswith("cuda")
+    model_dir = Path(args.model) if args.model else build_model(root, shape, args.device)
+    runner = ModelRunner(
+        model_dir, device=args.device, dtype=args.dtype or ("bfloat16" if on_gpu else "float32")
+    )
+    low, high = args.prompt_len
+    prompts = make_prompts(args.num_prompts, low, high, runner.vocab_size)
+    gen = torch.Generator().manual_seed(1)
+    new = args.max_new_tokens
+    scenarios = {
+        "fixed": [new] * args.num_prompts,
+        "varied": torch.randint(
+            max(1, new // 8), new + 1, (args.num_prompts,), generator=gen
+        ).tolist(),
+    }
+    scenarios = {k: v for k, v in scenarios.items() if k in args.scenarios.split(",")}
     engine = LocalEngine(runner, seed=0)
     engine.start()
     methods: dict[str, Callable[[list[int]], None]] = {
         "hf_generate": HFGenerate(runner.model, prompts, args.device),
-        "engine": InProcessEngine(engine, prompts)}
+        "engine": InProcessEngine(engine, prompts),
+    }
+    repeats = {"hf_generate": args.hf_repeats, "engine": args.repeats, "engine_http": args.repeats}
     server = None
     if not args.no_http and all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")):
         from megarl.rollout.local.launch import launch_local_engines
 
         (server,) = launch_local_engines(
-            str(model_dir), 1, device=args.device, num_threads=torch.get_num_threads(),
-            extra_args=["--random-seed", "0", "--dtype",
-                        str(runner.dtype).removeprefix("torch.")])
+            str(model_dir),
+            1,
+            device=args.device,
+            num_threads=torch.get_num_threads(),
+            extra_args=["--random-seed", "0", "--dtype", str(runner.dtype).removeprefix("torch.")],
+        )
         methods["engine_http"] = OverHTTP(server.url, prompts)
     try:
-        return measure(methods, scenarios, args.repeats, args.device)
+        results = measure(methods, scenarios, repeats, args.device)
     finally:
         engine.shutdown()
         if server is not None:
             server.stop()
+    row: dict[str, Any] = {
+        "shape": args.model or shape,
+        "backend": runner.backend,
+        "prompts": args.num_prompts,
+        "prompt_len": list(args.prompt_len),
+        "max_new_tokens": new,
+        "results": results,
+    }
+    if runner.native is not None:
+        row["native"] = {
+            "flash_decode": runner.native.flash,
+            "fast_kernels": runner.native.fast_kernels,
+            "cuda_graphs": runner.native.use_graphs,
+        }
+    if on_gpu:
+        bandwidth = copy_bandwidth(args.device)
+        row["copy_gb_per_s"] = bandwidth / 1e9
+        row["floor_tokens_per_s"] = {
+            s: decode_floor_tokens_per_s(runner.model, prompts, lengths, bandwidth)
+            for s, lengths in scenarios.items()
+        }
+    return row
+
+
+def print_row(row: dict[str, Any]) -> None:
+    """One line per scenario and method."""
+    for scenario, by_method in row["results"].items():
+        base = by_method["hf_generate"]
+        floor = row.get("floor_tokens_per_s", {}).get(scenario)
+        for method, tps in by_method.items():
+            extra = f"   {tps / floor:6.1%} of floor" if floor and method != "hf_generate" else ""
+            print(
+                f"{row['shape']:>6} {scenario:>7} {method:>12}: {tps:10.1f} tokens/s   "
+                f"ratio vs hf_generate {tps / base:6.2f}x{extra}"
+            )
+        if floor:
+            print(
+                f"{row['shape']:>6} {scenario:>7} {'floor':>12}: {floor:10.1f} tokens/s   "
+                f"(copy {row['copy_gb_per_s']:.0f} GB/s)"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,43 +353,42 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny model, few prompts (seconds)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default=None, help="model dtype (default: fp32 on CPU, bf16 on GPU)")
-    p.add_argument("--model", default=None, help="HF model dir (default: a random Qwen3-MoE)")
+    p.add_argument("--model", default=None, help="HF model dir (default: random --shapes)")
+    p.add_argument("--shapes", default=None, help="comma-separated keys of SHAPES")
+    p.add_argument("--scenarios", default=None, help="comma-separated: fixed, varied")
     p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("LOW", "HIGH"))
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--no-http", action="store_true", help="skip the HTTP server measurement")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per method (best kept)")
+    p.add_argument("--repeats", type=int, default=3, help="timed engine runs (best kept)")
+    p.add_argument("--hf-repeats", type=int, default=None, help="timed generate runs")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (all methods)")
+    p.add_argument("--out", default=None, help="write the JSON summary to this file")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     on_gpu = args.device.startswith("cuda")
-    preset = "smoke" if args.smoke else ("gpu" if on_gpu else "cpu")
-    num_prompts = args.num_prompts or (16 if args.smoke else 256 if on_gpu else 64)
-    new_tokens = args.max_new_tokens or (16 if args.smoke else 256 if on_gpu else 128)
-    gen = torch.Generator().manual_seed(1)
-    scenarios = {"fixed": [new_tokens] * num_prompts,
-                 "varied": torch.randint(max(1, new_tokens // 8), new_tokens + 1, (num_prompts,),
-                                         generator=gen).tolist()}
+    args.shapes = args.shapes or ("smoke" if args.smoke else "dense,moe" if on_gpu else "cpu")
+    args.scenarios = args.scenarios or ("fixed" if on_gpu else "fixed,varied")
+    args.num_prompts = args.num_prompts or (16 if args.smoke else 64)
+    args.prompt_len = args.prompt_len or (
+        (4, 16) if args.smoke else (256, 256) if on_gpu else (16, 64)
+    )
+    args.max_new_tokens = args.max_new_tokens or (16 if args.smoke else 256 if on_gpu else 128)
+    args.hf_repeats = args.hf_repeats or (1 if on_gpu else args.repeats)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(args.model) if args.model else build_model(Path(tmp), preset)
-        runner = ModelRunner(model_dir, device=args.device,
-                             dtype=args.dtype or ("bfloat16" if on_gpu else "float32"))
-        low, high = (4, 16) if args.smoke else (16, 64)
-        prompts = make_prompts(num_prompts, low, high, runner.vocab_size)
-        results = run_all(args, model_dir, runner, scenarios, prompts)
-    print(f"device={args.device} dtype={runner.dtype} model={args.model or preset} "
-          f"prompts={num_prompts} max_new_tokens={new_tokens} "
-          f"threads={torch.get_num_threads()} best of {args.repeats}")
-    summary: dict[str, object] = {"bench": "rollout_throughput", "device": args.device,
-                                  "prompts": num_prompts, "max_new_tokens": new_tokens}
-    for name, by_method in results.items():
-        base = by_method["hf_generate"]
-        for method, tps in by_method.items():
-            print(f"{name:>7} {method:>12}: {tps:10.1f} tokens/s   "
-                  f"ratio vs hf_generate {tps / base:5.2f}x")
-            summary[f"{name}_{method}_tokens_per_s"] = round(tps, 1)
-            summary[f"{name}_{method}_ratio"] = round(tps / base, 3)
+        rows = [run_shape(args, shape, Path(tmp)) for shape in args.shapes.split(",")]
+    print(
+        f"device={args.device} prompts={args.num_prompts} prompt_len={args.prompt_len} "
+        f"max_new_tokens={args.max_new_tokens} threads={torch.get_num_threads()} "
+        f"best of {args.repeats} (generate: {args.hf_repeats})"
+    )
+    for row in rows:
+        print_row(row)
+    summary = {"bench": "rollout_throughput", "device": args.device, "rows": rows}
     print(json.dumps(summary))
+    if args.out:
+        Path(args.out).write_text(json.dumps(summary, indent=2))
     return 0
 
 

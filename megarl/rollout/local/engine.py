@@ -107,6 +107,7 @@ class LocalEngine:
         self._waiting: deque[_Prefill] = deque()
         self._rows: list[Sample] = []
         self._rows_sampling: BatchSampling | None = None
+        self._prefilling: list[_Prefill] = []
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="megarl-engine", daemon=True)
 
@@ -233,7 +234,9 @@ class LocalEngine:
     def _step(self) -> None:
         admitted = self._admit()
         if admitted:
+            self._prefilling = admitted  # failed with the others if the prefill raises
             self._prefill(admitted)
+            self._prefilling = []
         if self._rows:
             self._decode()
 
@@ -254,12 +257,10 @@ class LocalEngine:
         self._sample_into(samples, logits, BatchSampling.build(
             [s.sampling for s in samples], logits.device))
         keep = [k for k, s in enumerate(samples) if s.finish is None]
-        new_rows = kv.select([expand[k] for k in keep])
         self._retire(samples)
         self._settle(compact=True)
-        merged = new_rows if self.runner.batch is None else self.runner.batch.concat(new_rows)
+        self.runner.append_rows(kv, [expand[k] for k in keep])
         self._set_rows(self._rows + [samples[k] for k in keep])
-        self.runner.set_batch(merged)
 
     def _decode(self) -> None:
         rows = self._rows  # finished rows stay until compaction; their results are ignored
@@ -303,8 +304,7 @@ class LocalEngine:
         self._retire(dead)
         if compact or len(dead) * 4 >= len(self._rows):
             keep = [i for i, s in enumerate(self._rows) if s.finish is None]
-            batch = self.runner.batch
-            self.runner.set_batch(batch.select(keep) if (batch is not None and keep) else None)
+            self.runner.keep_rows(keep)
             self._set_rows([self._rows[i] for i in keep])
 
     def _retire(self, samples: list[Sample]) -> None:
@@ -352,7 +352,7 @@ class LocalEngine:
             self._settle(compact=True)
             retracted = [_Prefill([s], s.request.prompt_ids + s.output_ids) for s in self._rows]
             self._set_rows([])
-            self.runner.set_batch(None)
+            self.runner.clear_rows()
             self._waiting.extendleft(reversed(retracted))
         elif mode != "in_place":
             raise ValueError(f"mode: {mode!r} must be one of abort, retract, in_place")
@@ -371,7 +371,9 @@ class LocalEngine:
         if self._rows:
             raise ValueError("requests are running: call /pause_generation (mode abort or "
                              "retract) before releasing memory")
-        self.runner.set_batch(None)
+        if "kv_cache" in tags:
+            self.runner.release_kv_cache()
+        self.runner.clear_rows()
         if "weights" in tags and "weights" not in self.released:
             self.runner.offload()
         self.released |= set(tags)
@@ -386,11 +388,12 @@ class LocalEngine:
 
     def _fail_all(self, err: Exception) -> None:
         requests = {id(s.request): s.request for s in self._rows}
-        for unit in self._waiting:
+        for unit in [*self._waiting, *self._prefilling]:
             requests.update({id(s.request): s.request for s in unit.samples})
+        self._prefilling = []
         self._set_rows([])
         self._waiting = deque()
-        self.runner.set_batch(None)
+        self.runner.clear_rows()
         for request in requests.values():
             if not request.future.done():
                 request.future.set_exception(err)

@@ -1,6 +1,13 @@
-"""The embedded engine's model: an HF causal LM, a left-padded batched KV cache, MoE routes.
+"""The embedded engine's model: an HF causal LM, a batched KV cache, MoE routes.
 
-Rows of the running batch share one KV cache tensor per layer, ``[rows, kv_heads, T, head_dim]``,
+Two decode backends share one interface (``prefill`` -> ``append_rows`` / ``keep_rows`` /
+``clear_rows`` -> ``decode``): ``native`` (:mod:`megarl.rollout.local.static_kv`: a static KV
+cache, FlashAttention decode and CUDA graphs; the default on CUDA for the model families it
+knows) and ``hf``, the HF forward over a left-padded ``DynamicCache`` described below (the
+default on the CPU, and for other models).
+
+In the ``hf`` backend rows of the running batch share one KV cache tensor per layer,
+``[rows, kv_heads, T, head_dim]``,
 left-padded: row i's real tokens are the last ``lengths[i]`` columns and the attention mask
 hides the padding. Rows join (after their prefill) by padding both sides to a common length and
 concatenating; finished rows are dropped and columns that became padding for every row are cut.
@@ -14,11 +21,18 @@ actually used by the forward are recorded, one ``[tokens, top_k]`` tensor per Mo
 from __future__ import annotations
 
 import inspect
+import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from torch import nn
+
+from megarl.rollout.local.static_kv import NativeDecoder, PrefillKV, native_unsupported_reason
+
+logger = logging.getLogger(__name__)
+Backend = Literal["auto", "hf", "native"]
 
 
 def _router_class(model: nn.Module) -> type[nn.Module] | None:
@@ -127,7 +141,8 @@ class ModelRunner:
     """Loads an HF causal LM and runs prefill / decode forwards on batches of rows."""
 
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto",
-                 context_length: int | None = None) -> None:
+                 context_length: int | None = None, backend: Backend = "auto",
+                 cuda_graphs: bool = True) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -149,16 +164,48 @@ class ModelRunner:
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.cache: object | None = None
         self.batch: KVBatch | None = None
+        self.native = self._make_native(backend, cuda_graphs)
+
+    def _make_native(self, backend: Backend, cuda_graphs: bool) -> NativeDecoder | None:
+        if backend not in ("auto", "hf", "native"):
+            raise ValueError(f"backend={backend!r}: choose 'auto', 'hf' or 'native'")
+        reason = native_unsupported_reason(self.model)
+        if backend == "native" and reason is not None:
+            raise ValueError(f"backend='native' cannot run {self.model_path}: {reason}; use 'hf'")
+        if backend == "hf" or (backend == "auto" and (self.device.type != "cuda" or reason)):
+            return None
+        return NativeDecoder(self.model, cuda_graphs=cuda_graphs)
+
+    @property
+    def backend(self) -> str:
+        """The decode backend in use: ``native`` or ``hf``."""
+        return "hf" if self.native is None else "native"
+
+    @property
+    def rows(self) -> int:
+        """Running rows."""
+        if self.native is not None:
+            return self.native.rows
+        return 0 if self.batch is None else self.batch.rows
 
     def offload(self) -> None:
         """Move the weights to host memory (GPU only; a CPU model stays where it is)."""
         if self.device.type != "cpu":
+            self.clear_rows()
+            if self.native is not None:
+                self.native.release()
             self.model.to("cpu")
             torch.cuda.empty_cache()
 
     def reload(self) -> None:
         """Move the weights back to the model's device after :meth:`offload`."""
         self.model.to(self.device)
+
+    def release_kv_cache(self) -> None:
+        """Drop the running rows and free the KV cache (and CUDA graphs) until the next use."""
+        self.clear_rows()
+        if self.native is not None:
+            self.native.release()
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: object, routes: bool) -> tuple[torch.Tensor, object, torch.Tensor | None]:
@@ -175,8 +222,13 @@ class ModelRunner:
         return out.logits[:, -1].float(), new_cache, captured
 
     @torch.no_grad()
-    def prefill(self, contexts: list[list[int]], routes: bool) -> tuple[ForwardOut, KVBatch]:
-        """Run the prompts (left-padded into one batch); returns logits, routes and their KV."""
+    def prefill(self, contexts: list[list[int]], routes: bool
+                ) -> tuple[ForwardOut, KVBatch | PrefillKV]:
+        """Run the prompts as one batch; returns logits, routes (``[rows, width, L, K]``, each
+        row's tokens at the end) and their KV, to hand to :meth:`append_rows`."""
+        if self.native is not None:
+            logits, captured, kv = self.native.prefill(contexts, routes)
+            return ForwardOut(logits, captured), kv
         from transformers import DynamicCache
 
         width = max(len(c) for c in contexts)
@@ -193,7 +245,32 @@ class ModelRunner:
                         lengths=torch.tensor([len(c) for c in contexts]))
         return ForwardOut(logits, captured), batch
 
-    def set_batch(self, batch: KVBatch | None) -> None:
+    def append_rows(self, kv: KVBatch | PrefillKV, index: list[int]) -> None:
+        """Add rows ``index`` of a prefill's KV (repeats allowed) after the running rows."""
+        if not index:
+            return
+        new = kv.select(index)
+        if self.native is not None:
+            self.native.append(new)
+            return
+        self._set_batch(new if self.batch is None else self.batch.concat(new))
+
+    def keep_rows(self, index: list[int]) -> None:
+        """Keep running rows ``index`` (in that order); the others are dropped."""
+        if not index:
+            self.clear_rows()
+        elif self.native is not None:
+            self.native.keep(index)
+        elif self.batch is not None:
+            self._set_batch(self.batch.select(index))
+
+    def clear_rows(self) -> None:
+        """Drop every running row."""
+        if self.native is not None:
+            self.native.clear()
+        self._set_batch(None)
+
+    def _set_batch(self, batch: KVBatch | None) -> None:
         """Make ``batch`` the running batch (its KV becomes the decode cache)."""
         from transformers import DynamicCache
 
@@ -209,6 +286,11 @@ class ModelRunner:
     @torch.no_grad()
     def decode(self, tokens: list[int], routes: bool) -> ForwardOut:
         """Feed one token per running row; returns next-token logits and the fed tokens' routes."""
+        if self.native is not None:
+            logits, captured = self.native.decode(tokens)
+            if not routes or captured is None:
+                return ForwardOut(logits, None)
+            return ForwardOut(logits, captured.to("cpu", torch.int32)[:, None])
         batch = self.batch
         assert batch is not None and self.cache is not None and len(tokens) == batch.rows
         ones = torch.ones(batch.rows, 1, dtype=batch.mask.dtype, device=batch.mask.device)

@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 LOGPROB_FLOOR = torch.finfo(torch.float32).min
 
@@ -91,6 +92,43 @@ def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.zeros_like(probs).scatter_(-1, order, kept)
 
 
+CDF_CHUNK = 2048
+"""Vocabulary chunk of the two-level inverse-CDF search on GPUs."""
+
+
+def inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights [B, V]`` (unnormalised, >= 0), the first index whose running sum
+    exceeds ``uniform * total``, never past the last positive weight: inverse-CDF sampling.
+
+    On the CPU one cumulative sum over the row; on GPUs, where a scan over a few long rows is
+    slow, :func:`chunked_inverse_cdf`.
+    """
+    if weights.device.type != "cpu" and weights.shape[-1] > CDF_CHUNK:
+        return chunked_inverse_cdf(weights, uniforms)
+    cdf = weights.cumsum(dim=-1)
+    targets = uniforms * cdf[:, -1]
+    picks = torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
+    return torch.minimum(picks, (weights > 0).cumsum(-1).argmax(-1))
+
+
+def chunked_inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """:func:`inverse_cdf` with the running sum found per ``CDF_CHUNK`` chunk of the vocabulary
+    first, then inside the chosen chunk (the same picks up to fp64 rounding)."""
+    rows, vocab = weights.shape
+    chunks = -(-vocab // CDF_CHUNK)
+    padded = F.pad(weights, (0, chunks * CDF_CHUNK - vocab)).view(rows, chunks, CDF_CHUNK)
+    chunk_cdf = padded.sum(dim=-1).cumsum(dim=-1)
+    targets = (uniforms * chunk_cdf[:, -1]).unsqueeze(1)
+    chunk = torch.searchsorted(chunk_cdf, targets, right=True).clamp(max=chunks - 1)
+    before = chunk_cdf.gather(1, (chunk - 1).clamp(min=0)) * (chunk > 0)
+    inside = padded.gather(1, chunk.unsqueeze(-1).expand(-1, 1, CDF_CHUNK)).squeeze(1)
+    offset = torch.searchsorted(inside.cumsum(dim=-1) + before, targets, right=True)
+    picks = (chunk * CDF_CHUNK + offset.clamp(max=CDF_CHUNK - 1)).squeeze(1)
+    index = torch.arange(vocab, device=weights.device)
+    last_positive = torch.where(weights > 0, index, -1).amax(dim=-1)
+    return torch.minimum(picks, last_positive)
+
+
 def sample_next(
     logits: torch.Tensor, batch: BatchSampling, default_generator: torch.Generator,
     banned: Mapping[int, Sequence[int]] | None = None,
@@ -112,11 +150,7 @@ def sample_next(
         uniforms = torch.rand(kept.shape[0], generator=default_generator, dtype=torch.float64)
         for k, generator in batch.generators:
             uniforms[k] = torch.rand(1, generator=generator, dtype=torch.float64)[0]
-        cdf = kept.cumsum(dim=-1)
-        targets = uniforms.to(kept.device) * cdf[:, -1]
-        picks = torch.searchsorted(cdf, targets.unsqueeze(1), right=True).squeeze(1)
-        picks = torch.minimum(picks, (kept > 0).cumsum(-1).argmax(-1))
-        tokens[batch.sampled] = picks
+        tokens[batch.sampled] = inverse_cdf(kept, uniforms.to(kept.device))
     chosen = log_probs.gather(1, tokens.unsqueeze(1)).squeeze(1).clamp(min=LOGPROB_FLOOR)
     both = torch.stack([tokens.double(), chosen.double()]).cpu()  # one device sync per step
     return both[0].long(), both[1].float()

@@ -1,0 +1,460 @@
+"""The embedded engine's native decode path: a static KV cache, batched decode and CUDA graphs.
+
+:class:`NativeDecoder` runs an HF decoder-only model (Llama / Qwen2 / Qwen3 layouts, dense or
+Qwen3-MoE style sparse blocks) with the model's own submodules (projections, q/k norms, rotary
+embedding, MLP or router + experts, LM head), so weights written into the HF model in place are
+used at once; only the attention and the layer loop are its own:
+
+- the KV cache is one ``[rows, length, kv_heads, head_dim]`` buffer per layer; running row ``i``
+  lives in slot ``i`` with its tokens at positions ``0..len-1``. It grows (by copy) when rows or
+  lengths outgrow it;
+- prefill runs the new prompts right-padded with causal SDPA (padding is invisible to the real
+  tokens) and hands back their K/V as a :class:`PrefillKV`;
+- decode writes each row's new K/V at its own position and attends with FlashAttention's
+  varlen kernel limited to each row's length (``seqused_k``), or with an fp32 softmax over the
+  slots' first columns (CPU, and a fallback); on CUDA the whole decode step (all layers, the LM
+  head, the routing records) is captured in a CUDA graph per row-count bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+LENGTH_STEP = 256
+ALL_EXPERTS_ROWS = 8192
+"""Decode runs every expert on every row while rows * experts is at most this."""
+
+
+@dataclass
+class PrefillKV:
+    """Prefill K/V not yet in the cache: per layer ``[rows, width, kv_heads, head_dim]``."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    lengths: torch.Tensor
+    """``[rows]`` long (CPU): real tokens per row (the rest of ``width`` is padding)."""
+
+    @property
+    def rows(self) -> int:
+        """Number of rows."""
+        return int(self.lengths.shape[0])
+
+    def select(self, index: list[int]) -> PrefillKV:
+        """Keep (and possibly repeat) rows by index."""
+        idx = torch.tensor(index, dtype=torch.long)
+        dev = idx.to(self.keys[0].device) if self.keys else idx
+        return PrefillKV([k.index_select(0, dev) for k in self.keys],
+                         [v.index_select(0, dev) for v in self.values],
+                         self.lengths.index_select(0, idx))
+
+
+def native_unsupported_reason(model: nn.Module) -> str | None:
+    """Why :class:`NativeDecoder` cannot run ``model`` (None when it can)."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {config.model_type!r} (supported: {sorted(SUPPORTED_MODEL_TYPES)})"
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "sliding-window attention"
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(inner, "rotary_emb"):
+        return "no model.layers / model.rotary_emb"
+    for layer in inner.layers:
+        mlp = layer.mlp
+        if not (hasattr(mlp, "gate_proj") or (hasattr(mlp, "gate") and hasattr(mlp, "experts"))):
+            return f"unknown MLP block {type(mlp).__name__}"
+        if hasattr(mlp, "shared_expert"):
+            return "shared experts"
+    return None
+
+
+class _Cache:
+    """Per-layer K/V buffers ``[rows_cap, len_cap, kv_heads, head_dim]``; the last column is
+    scratch (where padded graph rows write)."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.shape_tail = (kv_heads, head_dim)
+        self.layers, self.dtype, self.device = layers, dtype, device
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.rows_cap = self.len_cap = 0
+
+    def ensure(self, rows: int, length: int, live_rows: int) -> bool:
+        """Make room for ``rows`` slots of ``length`` tokens (+1 scratch column), keeping the
+        first ``live_rows`` slots; True when the buffers were reallocated."""
+        if rows <= self.rows_cap and length < self.len_cap:
+            return False
+        new_rows = max(rows, self.rows_cap)
+        new_rows = next((b for b in ROW_BUCKETS if b >= new_rows), new_rows)
+        new_len = max(self.len_cap, -(-(length + 1) // LENGTH_STEP) * LENGTH_STEP)
+        if length >= self.len_cap and self.len_cap:
+            new_len = max(new_len, 2 * self.len_cap)
+        shape = (new_rows, new_len, *self.shape_tail)
+        old_k, old_v, old_len = self.keys, self.values, self.len_cap
+        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                     for _ in range(self.layers)]
+        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                       for _ in range(self.layers)]
+        for new, old in zip(self.keys + self.values, old_k + old_v):
+            new[:live_rows, :old_len] = old[:live_rows]
+        self.rows_cap, self.len_cap = new_rows, new_len
+        return True
+
+    def keep(self, index: list[int]) -> None:
+        """Move slots ``index`` to slots ``0..len(index)-1``."""
+        if index == list(range(len(index))):
+            return
+        idx = torch.tensor(index, dtype=torch.long, device=self.device)
+        for t in self.keys + self.values:
+            t[: len(index)] = t.index_select(0, idx)
+
+    def write(self, start: int, kv: PrefillKV) -> None:
+        """Put the prefill rows into slots ``start..start+rows-1``."""
+        width = kv.keys[0].shape[1]
+        for dst, src in zip(self.keys + self.values, kv.keys + kv.values):
+            dst[start : start + kv.rows, :width] = src
+
+    def free(self) -> None:
+        """Drop the buffers."""
+        self.keys, self.values = [], []
+        self.rows_cap = self.len_cap = 0
+
+
+def _triton_kernels():
+    from megarl.megatron.native_ops import triton_kernels
+
+    return triton_kernels()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's ``apply_rotary_pos_emb`` on ``[tokens, heads, d]`` with ``[tokens, 1, d]`` tables."""
+    return (x * cos) + (_rotate_half(x) * sin)
+
+
+@dataclass
+class _Graph:
+    """One captured decode step for a bucket of rows and its static inputs / outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    logits: torch.Tensor
+    routes: torch.Tensor | None
+
+
+class NativeDecoder:
+    """Prefill and batched decode of an HF model over a static KV cache (see the module doc)."""
+
+    def __init__(self, model: nn.Module, cuda_graphs: bool = True) -> None:
+        reason = native_unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"the native decode path does not support this model: {reason}")
+        self.model = model
+        inner = model.model
+        self.layers = list(inner.layers)
+        cfg = model.config
+        attn = self.layers[0].self_attn
+        self.head_dim = int(attn.head_dim)
+        self.scale = float(attn.scaling)
+        self.kv_heads = int(cfg.num_key_value_heads)
+        weight = inner.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.moe = any(hasattr(layer.mlp, "experts") for layer in self.layers)
+        self.cache = _Cache(len(self.layers), self.kv_heads, self.head_dim, self.dtype,
+                            self.device)
+        self.lengths = torch.zeros(0, dtype=torch.long)
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.flash = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+        self._fast_checked = False
+        self._kernels = _triton_kernels() if self.device.type == "cuda" else None
+        self.fast_kernels = self.device.type == "cuda"
+        """Triton RoPE / SwiGLU and all-experts MoE decode (CUDA; checked on first decode)."""
+        self._graphs: dict[int, _Graph] = {}
+        self._pool = None
+
+    @property
+    def rows(self) -> int:
+        """Running rows (slots ``0..rows-1``)."""
+        return int(self.lengths.shape[0])
+
+    # ----- rows -----
+    def append(self, kv: PrefillKV) -> None:
+        """Add prefilled rows after the running ones."""
+        start = self.rows
+        longest = max(kv.keys[0].shape[1], int(kv.lengths.max()), self._longest())
+        self._ensure(start + kv.rows, longest + 1, start)
+        self.cache.write(start, kv)
+        self.lengths = torch.cat([self.lengths, kv.lengths])
+
+    def keep(self, index: list[int]) -> None:
+        """Keep running rows ``index`` (in that order) as rows ``0..len-1``."""
+        self.cache.keep(index)
+        self.lengths = self.lengths[torch.tensor(index, dtype=torch.long)]
+
+    def clear(self) -> None:
+        """Drop every running row (the buffers stay)."""
+        self.lengths = torch.zeros(0, dtype=torch.long)
+
+    def release(self) -> None:
+        """Drop rows, the KV buffers and the captured graphs."""
+        self.clear()
+        self._graphs.clear()
+        self._pool = None
+        self.cache.free()
+
+    def _longest(self) -> int:
+        return int(self.lengths.max()) if self.rows else 0
+
+    def _ensure(self, rows: int, length: int, live: int) -> None:
+        if self.use_graphs:
+            rows = _bucket(rows)
+        if self.cache.ensure(rows, length, live):
+            self._graphs.clear()
+
+    # ----- forward pieces -----
+    def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            return F.rms_norm(x, (x.shape[-1],), module.weight, module.variance_epsilon)
+        return module(x)
+
+    def _tables(self, h: torch.Tensor, positions: torch.Tensor):
+        cos, sin = self.model.model.rotary_emb(h[None], positions[None])
+        return cos[0, :, None, :], sin[0, :, None, :]
+
+    def _rotate(self, q: torch.Tensor, k: torch.Tensor, tables, fast: bool):
+        if fast and self._kernels is not None and self._kernels.rope_supported(q):
+            cos, sin = tables
+            return self._kernels.rope_pair(q, k, cos[:, 0], sin[:, 0], 0, 1.0)
+        return _rope(q, *tables), _rope(k, *tables)
+
+    def _layer(self, layer: nn.Module, h: torch.Tensor, tables, attend, routes: list,
+               decode: bool = False) -> torch.Tensor:
+        attn, n = layer.self_attn, h.shape[0]
+        x = self._norm(layer.input_layernorm, h)
+        q = attn.q_proj(x).view(n, -1, self.head_dim)
+        k = attn.k_proj(x).view(n, -1, self.head_dim)
+        v = attn.v_proj(x).view(n, -1, self.head_dim)
+        if hasattr(attn, "q_norm"):
+            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        # the prefill runs before the first decode step checks the fast kernels
+        fast = self.fast_kernels and (decode or self._fast_checked)
+        q, k = self._rotate(q, k, tables, fast)
+        h = h + attn.o_proj(attend(q, k, v))
+        x = self._norm(layer.post_attention_layernorm, h)
+        mlp = layer.mlp
+        if not hasattr(mlp, "experts"):
+            return h + mlp(x)
+        _, weights, experts = mlp.gate(x)
+        routes.append(experts)
+        if decode and self._all_experts_ok(mlp.experts, n):
+            return h + self._all_experts(mlp.experts, x, weights, experts)
+        return h + mlp.experts(x, experts, weights)
+
+    def _all_experts_ok(self, experts: nn.Module, rows: int) -> bool:
+        """Whether a decode step runs every expert on every row (few rows: the same weight
+        bytes as routing, a handful of kernels instead of a sort and a grouped GEMM)."""
+        return (self.fast_kernels and hasattr(experts, "gate_up_proj")
+                and not getattr(experts, "is_transposed", False)
+                and not getattr(experts, "has_bias", False)
+                and getattr(self.model.config, "hidden_act", None) == "silu"
+                and rows * experts.num_experts <= ALL_EXPERTS_ROWS)
+
+    def _all_experts(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
+                     chosen: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, summed with the router weights (zero for experts a row
+        did not choose): two GEMMs over all experts' weights and a weighted sum."""
+        n, num = x.shape[0], experts.num_experts
+        up_w = experts.gate_up_proj  # [E, 2I, H]
+        gate_up = F.linear(x, up_w.view(-1, up_w.shape[-1])).view(n * num, up_w.shape[1])
+        act = self._swiglu(gate_up).view(n, num, -1).transpose(0, 1)  # [E, n, I]
+        out = torch.bmm(act, experts.down_proj.transpose(1, 2))  # [E, n, H]
+        dense = torch.zeros(n, num, dtype=x.dtype, device=x.device).scatter_(
+            1, chosen, weights.to(x.dtype))
+        return torch.bmm(dense[:, None, :], out.transpose(0, 1))[:, 0]
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.fast_kernels and self._kernels is not None:
+            return self._kernels.SwiGLU.apply(gate_up, None)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.model.lm_head(self._norm(self.model.model.norm, h)).float()
+
+    # ----- prefill -----
+    @torch.no_grad()
+    def prefill(self, contexts: list[list[int]], want_routes: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None, PrefillKV]:
+        """Run prompts right-padded; returns last-token logits ``[n, V]`` fp32, routes
+        ``[n, width, L, K]`` left-aligned like the HF path's (or None) and the rows' K/V."""
+        n, width = len(contexts), max(len(c) for c in contexts)
+        ids = torch.zeros(n, width, dtype=torch.long)
+        for i, ctx in enumerate(contexts):
+            ids[i, : len(ctx)] = torch.tensor(ctx)
+        lengths = torch.tensor([len(c) for c in contexts])
+        h = self.model.model.embed_tokens(ids.to(self.device)).view(n * width, -1)
+        positions = torch.arange(width, device=self.device).repeat(n)
+        tables = self._tables(h, positions)
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+
+        def attend(q, k, v):
+            """Causal SDPA over the right-padded rows; keeps their K/V."""
+            q, k, v = (t.view(n, width, -1, self.head_dim) for t in (q, k, v))
+            keys.append(k)
+            values.append(v)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                scale=self.scale, enable_gqa=q.shape[2] != k.shape[2])
+            return out.transpose(1, 2).reshape(n * width, -1)
+
+        routes: list[torch.Tensor] = []
+        for layer in self.layers:
+            h = self._layer(layer, h, tables, attend, routes)
+        last = (lengths - 1 + torch.arange(n) * width).to(self.device)
+        logits = self._head(h.index_select(0, last))
+        left = None
+        if want_routes and routes:
+            right = torch.stack(routes, dim=1).view(n, width, len(routes), -1)
+            right = right.to("cpu", torch.int32)
+            left = torch.zeros_like(right)
+            for i, length in enumerate(lengths.tolist()):
+                left[i, width - length:] = right[i, :length]
+        return logits, left, PrefillKV(keys, values, lengths)
+
+    # ----- decode -----
+    def _attend_decode(self, index: int, q, k, v, step: dict[str, torch.Tensor], span: int):
+        """Write this step's K/V at each row's position, then attend over the row's tokens."""
+        rows, positions = q.shape[0], step["positions"]
+        kc, vc = self.cache.keys[index], self.cache.values[index]
+        kc[step["slots"], positions] = k
+        vc[step["slots"], positions] = v
+        if self.flash:
+            out = torch.ops.aten._flash_attention_forward(
+                q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), step["cu_q"],
+                step["cu_k"], 1, self.cache.len_cap, 0.0, False, False, scale=self.scale,
+                seqused_k=step["used"])[0]
+            return out.reshape(rows, -1)
+        keys, vals = kc[:rows, :span].float(), vc[:rows, :span].float()
+        qf = q.float().view(rows, self.kv_heads, -1, self.head_dim)
+        scores = torch.einsum("bkgd,btkd->bkgt", qf, keys) * self.scale
+        hidden = torch.arange(span, device=self.device)[None, :] > positions[:, None]
+        probs = scores.masked_fill(hidden[:, None, None, :], float("-inf")).softmax(dim=-1)
+        out = torch.einsum("bkgt,btkd->bkgd", probs, vals).to(q.dtype)
+        return out.reshape(rows, -1)
+
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int):
+        """One decode step of all rows: (logits ``[rows, V]`` fp32, routes ``[rows, L, K]``)."""
+        h = self.model.model.embed_tokens(tokens)
+        tables = self._tables(h, positions)
+        rows = tokens.shape[0]
+        cu_q = torch.arange(rows + 1, device=self.device, dtype=torch.int32)
+        step = {"positions": positions, "slots": torch.arange(rows, device=self.device),
+                "cu_q": cu_q, "cu_k": cu_q * self.cache.len_cap,
+                "used": (positions + 1).to(torch.int32)}
+        routes: list[torch.Tensor] = []
+        for index, layer in enumerate(self.layers):
+            attend = (lambda q, k, v, i=index: self._attend_decode(i, q, k, v, step, span))
+            h = self._layer(layer, h, tables, attend, routes, decode=True)
+        return self._head(h), (torch.stack(routes, dim=1) if routes else None)
+
+    @torch.no_grad()
+    def decode(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Feed one token per running row: next-token logits ``[rows, V]`` fp32 and the fed
+        tokens' routes ``[rows, L, K]`` (None for dense models)."""
+        rows = self.rows
+        self._ensure(rows, self._longest() + 1, rows)
+        ids = torch.tensor(tokens, dtype=torch.long)
+        if (self.flash or self.fast_kernels) and not self._fast_checked:
+            self._check_fast_paths(ids)
+        if self.use_graphs and self._bucket_graph() is None:
+            self.use_graphs = False
+        if self.use_graphs:
+            logits, routes = self._replay(ids)
+        else:
+            positions = self.lengths.to(self.device)
+            logits, routes = self._step(ids.to(self.device), positions, self._longest() + 1)
+        self.lengths = self.lengths + 1
+        return logits, routes
+
+    def _check_fast_paths(self, ids: torch.Tensor) -> None:
+        """Run the first decode step with the fast kernels (FlashAttention, Triton RoPE and
+        SwiGLU, all-experts MoE) and with the reference path (fp32 attention, HF's ops); both
+        write the same K/V. Keep the fast kernels only if their logits agree."""
+        self._fast_checked = True
+        positions = self.lengths.to(self.device)
+        span = self._longest() + 1
+        try:
+            fast, _ = self._step(ids.to(self.device), positions, span)
+        except (RuntimeError, TypeError) as err:
+            logger.warning("fast decode kernels failed (%s); using the reference path", err)
+            self.flash = self.fast_kernels = False
+            return
+        flash, self.flash, self.fast_kernels = self.flash, False, False
+        ref, _ = self._step(ids.to(self.device), positions, span)
+        error = float((fast - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+        ok = error < 0.05
+        self.flash, self.fast_kernels = flash and ok, ok
+        logger.info("fast decode kernels vs reference: relative max error %.2e (%s)", error,
+                    "using them" if ok else "using the reference path")
+
+    def _bucket_graph(self) -> _Graph | None:
+        """The graph for the running rows' bucket, captured on first use (None if capture
+        fails: decoding then stays eager)."""
+        bucket = _bucket(self.rows)
+        graph = self._graphs.get(bucket)
+        if graph is None:
+            try:
+                graph = self._capture(bucket)
+            except RuntimeError as err:
+                logger.warning("CUDA graph capture failed (%s); decoding without graphs", err)
+                return None
+            self._graphs[bucket] = graph
+        return graph
+
+    def _replay(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        rows = self.rows
+        graph = self._graphs[_bucket(rows)]
+        graph.tokens[:rows].copy_(ids)
+        graph.tokens[rows:].zero_()
+        graph.positions[:rows].copy_(self.lengths)
+        graph.positions[rows:].fill_(self.cache.len_cap - 1)  # padded rows write to scratch
+        graph.graph.replay()
+        routes = None if graph.routes is None else graph.routes[:rows]
+        return graph.logits[:rows], routes
+
+    def _capture(self, bucket: int) -> _Graph:
+        """Capture the decode step for ``bucket`` rows (warm-up on a side stream first)."""
+        tokens = torch.zeros(bucket, dtype=torch.long, device=self.device)
+        positions = torch.full((bucket,), self.cache.len_cap - 1, dtype=torch.long,
+                               device=self.device)
+        span = self.cache.len_cap
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._step(tokens, positions, span)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, routes = self._step(tokens, positions, span)
+        return _Graph(graph, tokens, positions, logits, routes)
+
+
+def _bucket(rows: int) -> int:
+    """The captured row count that serves ``rows`` running rows."""
+    return next((b for b in ROW_BUCKETS if b >= rows), rows)

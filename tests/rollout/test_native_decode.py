@@ -1,0 +1,127 @@
+"""The embedded engine's native decode backend (static KV cache) against HF transformers on the
+CPU: next-token log-probs and routes while rows join and leave, and whole generations."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.interface import SamplingParams
+from megarl.rollout.local.engine import LocalEngine, Request
+from megarl.rollout.local.model_runner import ModelRunner
+
+
+@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+def model_dir(request, tmp_path_factory):
+    """A tiny random model per architecture (head_dim 64)."""
+    root = tmp_path_factory.mktemp(request.param)
+    return make_tiny_model(root / "model", arch=request.param, seed=0, head_dim=64,
+                           hidden_size=128, num_attention_heads=4, with_tokenizer=False)
+
+
+def hf_next(model, sequences: list[list[int]]) -> tuple[torch.Tensor, list]:
+    """log_softmax of the next-token logits after each whole sequence, and its routes."""
+    from megarl.rollout.local.model_runner import RouterCapture
+
+    capture = RouterCapture(model, int(getattr(model.config, "num_experts_per_tok", 0) or 0))
+    logps, routes = [], []
+    with torch.no_grad():
+        for seq in sequences:
+            capture.enabled = capture.num_layers > 0
+            logits = model(torch.tensor([seq])).logits[0, -1]
+            routes.append(capture.take(1, len(seq))[0, -1] if capture.enabled else None)
+            capture.enabled = False
+            logps.append(torch.log_softmax(logits, -1))
+    return torch.stack(logps), routes
+
+
+def test_rows_join_and_leave_with_hf_log_probs_and_routes(model_dir):
+    runner = ModelRunner(model_dir, backend="native")
+    assert runner.backend == "native"
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 300, 17)]
+    out, kv = runner.prefill(seqs, routes=True)
+    runner.append_rows(kv, [0, 1, 2])
+    ref, _ = hf_next(runner.model, seqs)
+    torch.testing.assert_close(torch.log_softmax(out.logits, -1), ref, atol=1e-5, rtol=0)
+    logits = out.logits
+    for step in range(5):
+        seqs = [s + [t] for s, t in zip(seqs, logits.argmax(-1).tolist())]
+        if step == 2:  # row 0 leaves, row 2 moves first, a new prompt joins
+            runner.keep_rows([2, 1])
+            seqs = [seqs[2], seqs[1]]
+            new, kv = runner.prefill([[7, 8, 9]], routes=True)
+            runner.append_rows(kv, [0])
+            seqs.append([7, 8, 9, int(new.logits.argmax(-1))])
+        out = runner.decode([s[-1] for s in seqs], routes=True)
+        ref, ref_routes = hf_next(runner.model, seqs)
+        torch.testing.assert_close(torch.log_softmax(out.logits, -1), ref, atol=1e-5, rtol=0)
+        if out.routes is not None:
+            assert torch.equal(out.routes[:, 0], torch.stack(ref_routes).to(torch.int32))
+        logits = out.logits
+    assert runner.native.cache.len_cap > 300  # grew past its first length
+
+
+def generate(runner: ModelRunner, prompts: list[list[int]], params: SamplingParams) -> list:
+    """Every prompt through a fresh engine; the results of each request."""
+    engine = LocalEngine(runner, seed=0, max_running_requests=4)
+    engine.start()
+    routes = runner.router.num_layers > 0
+    try:
+        futures = [engine.submit(Request(f"r{i}", p, params, return_routed_experts=routes))
+                   for i, p in enumerate(prompts)]
+        return [f.result(timeout=120) for f in futures]
+    finally:
+        engine.shutdown()
+
+
+def test_engine_generations_equal_the_hf_backend(model_dir):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (3, 9, 14, 6, 11)]
+    params = SamplingParams(temperature=0.0, max_new_tokens=12, ignore_eos=True, n=2)
+    native = generate(ModelRunner(model_dir, backend="native"), prompts, params)
+    hf = generate(ModelRunner(model_dir, backend="hf"), prompts, params)
+    for a_req, b_req in zip(native, hf):
+        for a, b in zip(a_req, b_req):
+            assert a.output_ids == b.output_ids
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                       atol=1e-4, rtol=0)
+            if b.routed_experts is not None:
+                assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def test_chunked_inverse_cdf_picks_what_the_full_cumulative_sum_picks():
+    from megarl.rollout.local.sampling import chunked_inverse_cdf, inverse_cdf
+
+    g = torch.Generator().manual_seed(2)
+    for trial in range(50):
+        vocab = int(torch.randint(2049, 9000, (1,), generator=g))
+        weights = torch.rand(5, vocab, generator=g, dtype=torch.float64) ** 8
+        weights[weights < 0.3] = 0
+        if trial % 3 == 0:
+            weights[:, vocab // 2:] = 0  # trailing zero mass: never picked
+        uniforms = torch.rand(5, generator=g, dtype=torch.float64)
+        picks = chunked_inverse_cdf(weights, uniforms)
+        assert torch.equal(picks, inverse_cdf(weights, uniforms))
+        assert (weights.gather(1, picks[:, None]) > 0).all()
+
+
+def test_all_experts_decode_equals_routed_experts(model_dir):
+    native = ModelRunner(model_dir, backend="native")
+    if not native.native.moe:
+        pytest.skip("dense model")
+    # the GPU decode path (every expert on every row, weighted by the router), forced on the CPU
+    native.native.fast_kernels = True
+    native.native._fast_checked = True
+    hf = ModelRunner(model_dir, backend="hf")
+    contexts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    for runner in (native, hf):
+        _, kv = runner.prefill(contexts, routes=False)
+        runner.append_rows(kv, [0, 1, 2])
+    tokens = [1, 2, 3]
+    for _ in range(3):
+        ours, ref = native.decode(tokens, routes=True), hf.decode(tokens, routes=True)
+        torch.testing.assert_close(ours.logits, ref.logits, atol=1e-5, rtol=0)
+        assert torch.equal(ours.routes, ref.routes)
+        tokens = ref.logits.argmax(-1).tolist()
