@@ -1,4 +1,5 @@
-"""Tiny random HF model directories (Qwen3-MoE / Qwen3 dense) with a locally built tokenizer.
+"""Tiny random HF model directories (Qwen2/3, their MoE variants, Mixtral, Llama, DeepSeek-V3)
+with a locally built tokenizer.
 
 Tests and the demo cannot download anything, so they write their own model: an HF
 ``config.json``, random ``model.safetensors`` and a character-level tokenizer (built with the
@@ -25,7 +26,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 
-Arch = Literal["qwen3_moe", "qwen3", "qwen2", "qwen2_moe", "mixtral", "llama"]
+Arch = Literal["qwen3_moe", "qwen3", "qwen2", "qwen2_moe", "mixtral", "llama", "deepseek_v3"]
 
 
 def tokenizer_vocab() -> list[str]:
@@ -54,6 +55,20 @@ def build_tokenizer(vocab_size: int):
         chat_template=CHAT_TEMPLATE,
     )
     return fast
+
+
+# DeepSeek-V3 in small: MLA (low-rank q and kv, a separate RoPE part), a dense first layer, then
+# sigmoid-routed experts with a score-correction bias, group-limited routing (4 groups of 2,
+# 2 groups chosen, top-4 experts: megatron's top-(k / groups) per group is HF's top-2) and one
+# shared expert; no multi-token-prediction layers.
+_DEEPSEEK_V3: dict[str, Any] = {
+    "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3",
+    "num_hidden_layers": 3, "first_k_dense_replace": 1, "moe_intermediate_size": 32,
+    "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 4,
+    "n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5, "norm_topk_prob": True,
+    "q_lora_rank": 32, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+    "v_head_dim": 16, "rope_interleave": True, "num_nextn_predict_layers": 0,
+}
 
 
 def tiny_config_dict(arch: Arch = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
@@ -105,6 +120,10 @@ def tiny_config_dict(arch: Arch = "qwen3_moe", **overrides: Any) -> dict[str, An
     elif arch == "llama":
         common.update(architectures=["LlamaForCausalLM"], model_type="llama")
         common.pop("head_dim")
+    elif arch == "deepseek_v3":
+        common.update(_DEEPSEEK_V3)
+        common.pop("head_dim")
+        common["num_key_value_heads"] = common["num_attention_heads"]
     else:
         raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {Arch.__args__}")
     common.update(overrides)
@@ -132,6 +151,7 @@ def make_tiny_model(
     config = AutoConfig.for_model(model_type, **cfg_dict)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    _randomize_buffers(model)
     model.save_pretrained(path, safe_serialization=True)
     if with_tokenizer:
         build_tokenizer(config.vocab_size).save_pretrained(path)
@@ -139,3 +159,12 @@ def make_tiny_model(
     gen_cfg = {"eos_token_id": config.eos_token_id, "pad_token_id": config.pad_token_id}
     (path / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     return path
+
+
+def _randomize_buffers(model: torch.nn.Module) -> None:
+    """Give DeepSeek-V3's routing score-correction biases (zero at init) random values, so that
+    a conversion or an engine that ignores them routes differently from the model."""
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.05)

@@ -42,11 +42,13 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megarl.megatron import cpu_compat
-from megarl.megatron.model import ActorModel
+from megarl.megatron.model import ActorModel, load_hf_config
 from megarl.megatron.optimizer import TrainableActor
 
 FORMAT_VERSION = 1
 MANIFEST = "megarl.json"
+# written next to a model-only checkpoint by ``megarl-convert hf-to-mcore`` (bridge/)
+CONVERTED_INFO = "megarl_convert.json"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
@@ -406,6 +408,37 @@ def load_checkpoint(
         optimizer_restored=with_optimizer,
         rng_restored=with_rng,
     )
+
+
+def _converted_model_fingerprint(path: Path) -> dict[str, Any] | None:
+    """Architecture of the HF config kept next to a ``megarl-convert hf-to-mcore`` checkpoint,
+    or None when ``path`` is not one."""
+    if not (path / CONVERTED_INFO).is_file():
+        return None
+    config = path / "hf" / "config.json"
+    if not config.is_file():
+        raise FileNotFoundError(f"{config}: missing from the converted checkpoint {path}; "
+                                "convert the model again with megarl-convert hf-to-mcore")
+    return model_fingerprint(load_hf_config(config.parent))
+
+
+def load_model_weights(path: str | Path, model: ActorModel) -> Path:
+    """Load only the model weights of a dist checkpoint into ``model`` under any layout: a
+    checkpoint written by ``megarl-convert hf-to-mcore``, or a megarl training checkpoint (a
+    directory or a root's latest). Collective over all ranks; returns the directory read."""
+    cpu_compat.enable()
+    path = Path(path)
+    saved = _converted_model_fingerprint(path)
+    if saved is None:
+        path = resolve_checkpoint(path)
+        saved = read_manifest(path)["model"]
+    check_same_model(saved, model.hf_config, path)
+    request = _model_sharded_state_dict(model)
+    loaded = dist_checkpointing.load(request, str(path))
+    modules = _chunk_modules(model)
+    for i, module in enumerate(modules):
+        module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"])
+    return path
 
 
 def _has_state(actor: TrainableActor) -> bool:

@@ -18,7 +18,11 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import ModelType
 
-from megarl.megatron import cpu_compat
+from megarl.megatron import (
+    cpu_compat,
+    deepseek_bridge,  # registers megarl's DeepSeek-V3 bridge with mbridge
+)
+from megarl.megatron.mla_spec import mla_decoder_block_spec
 from megarl.megatron.native_spec import (
     NATIVE_CONFIG_OVERRIDES,
     bind_missing_te_names,
@@ -28,6 +32,9 @@ from megarl.megatron.native_spec import (
 from megarl.megatron.parallel import ParallelSizes, init_parallel
 
 SpecChoice = Literal["auto", "te", "native"]
+
+# HF rope_parameters.rope_type values each family's bridge maps (others: plain RoPE only).
+ROPE_TYPES: dict[str, tuple[str, ...]] = {"deepseek_v3": deepseek_bridge.ROPE_TYPES}
 
 # Per-family TransformerConfig corrections on top of mbridge 0.15.1's bridges, by HF model_type.
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -85,12 +92,36 @@ def _fill_rope_theta(cfg: Any, hf_path: str | Path) -> None:
     if "rope_theta" not in rope:
         raise ValueError(f"{hf_path}/config.json: no rope_theta nor rope_parameters.rope_theta")
     rope_type = rope.get("rope_type", "default")
-    if rope_type != "default":
+    supported = ROPE_TYPES.get(cfg.model_type, ("default",))
+    if rope_type not in supported:
         raise ValueError(
             f"{hf_path}/config.json: rope_parameters.rope_type={rope_type!r} is not supported "
-            "by megarl's bridge yet; only 'default' RoPE"
+            f"by megarl's bridge for {cfg.model_type}; supported: {', '.join(supported)}"
         )
     cfg.rope_theta = rope["rope_theta"]
+
+
+def make_bridge(hf_config: Any, **kwargs: Any) -> Any:
+    """``mbridge.AutoBridge.from_config(hf_config, **kwargs)`` without its side effect on later
+    bridges: for tied embeddings mbridge's Qwen2 bridge (also Qwen3's) rewrites its *class's*
+    ``_DIRECT_MAPPING`` in place, so every later Qwen2/Qwen3 bridge of the process would map
+    ``output_layer.weight`` to the embedding. The adjusted mapping stays on this instance and
+    the classes get theirs back."""
+    from mbridge import AutoBridge
+    from mbridge.core.bridge import _MODEL_REGISTRY
+
+    owners = [cls for cls in getattr(_MODEL_REGISTRY.get(hf_config.model_type), "__mro__", ())
+              if "_DIRECT_MAPPING" in vars(cls)]
+    saved = {cls: dict(vars(cls)["_DIRECT_MAPPING"]) for cls in owners}
+    try:
+        bridge = AutoBridge.from_config(hf_config, **kwargs)
+        if owners:
+            bridge._DIRECT_MAPPING = dict(vars(owners[0])["_DIRECT_MAPPING"])
+    finally:
+        for cls, mapping in saved.items():
+            vars(cls)["_DIRECT_MAPPING"].clear()
+            vars(cls)["_DIRECT_MAPPING"].update(mapping)
+    return bridge
 
 
 def resolve_spec(spec: SpecChoice) -> Literal["te", "native"]:
@@ -162,8 +193,6 @@ def build_actor_model(
     Creates the megatron parallel groups for ``sizes`` if none exist (``torch.distributed`` must
     be initialised). ``config_overrides`` are TransformerConfig fields applied last.
     """
-    from mbridge import AutoBridge
-
     cpu_compat.enable()
     if not mpu.model_parallel_is_initialized():
         init_parallel(sizes, seed=seed)
@@ -171,9 +200,7 @@ def build_actor_model(
     chosen = resolve_spec(spec)
     hf_config = load_hf_config(hf_path)
     vocab_multiple = sizes.tp if hf_config.vocab_size % sizes.tp else None
-    bridge = AutoBridge.from_config(
-        hf_config, dtype=dtype, make_vocab_size_divisible_by=vocab_multiple
-    )
+    bridge = make_bridge(hf_config, dtype=dtype, make_vocab_size_divisible_by=vocab_multiple)
     overrides = _config_overrides(hf_config, sizes, dtype, chosen)
     overrides.update(config_overrides or {})
     bridge.set_extra_args(**overrides)
@@ -201,14 +228,19 @@ def _fix_replicated_expert_export(bridge: Any) -> None:
 
 
 def _use_native_spec(bridge: Any) -> None:
-    """Make mbridge's model provider build the native spec instead of its hard-wired TE spec.
+    """Make mbridge's model provider build the native spec instead of its hard-wired TE spec
+    (the MLA variant for multi-latent attention models).
 
     mbridge's ``LLMBridge._model_provider`` asks ``self._get_transformer_layer_spec(vp_stage)``
     for the block spec and reads ``self.has_vp_stage``; both are set on the instance.
     """
     bind_missing_te_names()
     bridge.has_vp_stage = True
-    bridge._get_transformer_layer_spec = lambda vp_stage=None: native_decoder_block_spec(
+    block_spec = (
+        mla_decoder_block_spec if bridge.config.multi_latent_attention
+        else native_decoder_block_spec
+    )
+    bridge._get_transformer_layer_spec = lambda vp_stage=None: block_spec(
         bridge.config, vp_stage=vp_stage
     )
 
