@@ -1,7 +1,9 @@
 """Server processes of the rollout pool: start, wait for health, stop, restart on death.
 
 :class:`ManagedServer` owns one server process (SGLang, the SGLang router, or megarl's embedded
-engine) started in its own session so that stopping it stops its children too.
+engine) started in its own session so that stopping it stops its children too; a server that
+requires an API key gets it through ``env`` (never the command line, which other users of the
+machine can read) and its health probes send it.
 :class:`ServerSupervisor` watches a set of them from a thread and restarts one that died (up to
 ``max_restarts``), then calls ``on_restart(index)`` so the owner can push the current weights to
 the fresh engine (it starts with the weights on disk).
@@ -40,7 +42,7 @@ class ManagedServer:
 
     def __init__(self, argv: Sequence[str], url: str, *, name: str = "server",
                  env: dict[str, str] | None = None, log_path: str | Path | None = None,
-                 health_path: str = "/health") -> None:
+                 health_path: str = "/health", api_key: str | None = None) -> None:
         self.argv = list(argv)
         self.url = url.rstrip("/")
         self.name = name
@@ -48,6 +50,7 @@ class ManagedServer:
         self.log_path = Path(log_path) if log_path else None
         self.health_path = health_path
         self.restarts = 0
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self.process: subprocess.Popen | None = None
         self._log_file = None
 
@@ -69,9 +72,11 @@ class ManagedServer:
     def healthy(self, timeout_s: float = 2.0) -> bool:
         """Whether the health URL answers 200."""
         try:
-            return httpx.get(self.url + self.health_path, timeout=timeout_s).status_code == 200
+            response = httpx.get(self.url + self.health_path, timeout=timeout_s,
+                                 headers=self._headers)
         except httpx.HTTPError:
             return False
+        return response.status_code == 200
 
     def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.25) -> None:
         """Block until healthy; raise :class:`ServerStartError` (with the log tail) if the
@@ -95,7 +100,9 @@ class ManagedServer:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """SIGTERM the server's process group, then SIGKILL it after ``timeout_s``."""
+        """SIGTERM the server's process group, then SIGKILL it after ``timeout_s``; children
+        that outlived a server killed from outside (SGLang's scheduler processes) are killed
+        too."""
         if self.process is None:
             return
         if self.process.poll() is None:
@@ -105,6 +112,7 @@ class ManagedServer:
             except subprocess.TimeoutExpired:
                 self._signal(signal.SIGKILL)
                 self.process.wait(timeout_s)
+        self._signal(signal.SIGKILL)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
@@ -116,9 +124,9 @@ class ManagedServer:
         except ProcessLookupError:
             pass
 
-    def restart(self) -> None:
-        """Stop (if needed) and start again."""
-        self.stop()
+    def restart(self, stop_timeout_s: float = 15.0) -> None:
+        """Stop (if needed; SIGKILL after ``stop_timeout_s``) and start again."""
+        self.stop(stop_timeout_s)
         self.restarts += 1
         self.start()
 

@@ -4,16 +4,21 @@ The worker runs where its placement-group bundle is (a GPU node of the rollout p
 slot) and starts the engine's HTTP server there as a child process: SGLang's
 ``launch_server`` for ``rollout.backend=sglang``, megarl's embedded server for ``local``. The
 trainer talks to the servers over HTTP with :class:`~megarl.rollout.sglang.SGLangClient`; the
-worker only starts, watches and restarts its server.
+worker only starts, watches and restarts its server (:meth:`RolloutServerWorker.restart` is the
+``restart`` step of :class:`~megarl.rollout.recovery.EngineRecovery` under Ray).
+
+``rollout.api_key`` reaches an embedded server through its environment; SGLang only takes
+``--api-key`` on its command line.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.cluster.worker import Worker, host_ip
-from megarl.rollout.local.launch import build_local_command
+from megarl.rollout.local.launch import build_local_command, local_server
 from megarl.rollout.process import ManagedServer, free_port
 
 
@@ -34,6 +39,8 @@ class EngineSpec:
     colocated: bool = False
     log_dir: str = "outputs/logs"
     sglang_args: tuple[str, ...] = field(default_factory=tuple)
+    api_key: str | None = field(default=None, repr=False)
+    """Key the server requires on every endpoint (``rollout.api_key``); never printed."""
 
 
 class RolloutServerWorker(Worker):
@@ -45,6 +52,7 @@ class RolloutServerWorker(Worker):
             return  # a follower GPU of a multi-GPU engine: its leader's server uses it
         host = spec.host if spec.host != "0.0.0.0" else host_ip()
         port = free_port(spec.host)
+        log = Path(spec.log_dir) / f"rollout_engine{self.rank}.log"
         if spec.backend == "local":
             extra = ["--dtype", spec.dtype, "--random-seed", str(spec.seed + self.rank)]
             if spec.max_running_requests:
@@ -52,6 +60,8 @@ class RolloutServerWorker(Worker):
             device = "cuda" if self.info.device == "cuda" else "cpu"
             argv = build_local_command(spec.model_path, host=spec.host, port=port, device=device,
                                        num_threads=spec.num_threads, extra_args=extra)
+            self.server = local_server(argv, f"http://{host}:{port}", name=f"engine[{self.rank}]",
+                                       log_path=log, api_key=spec.api_key)
         else:
             from megarl.rollout.sglang.launcher import SGLangLaunchConfig, build_sglang_command
 
@@ -62,9 +72,11 @@ class RolloutServerWorker(Worker):
                 enable_return_routed_experts=spec.return_routed_experts,
                 dtype=None if spec.dtype == "auto" else spec.dtype)
             argv = build_sglang_command(launch) + list(spec.sglang_args)
-        log = Path(spec.log_dir) / f"rollout_engine{self.rank}.log"
-        self.server = ManagedServer(argv, f"http://{host}:{port}", name=f"engine[{self.rank}]",
-                                    log_path=log)
+            if spec.api_key:
+                argv += ["--api-key", spec.api_key]
+            self.server = ManagedServer(argv, f"http://{host}:{port}",
+                                        name=f"engine[{self.rank}]", log_path=log,
+                                        api_key=spec.api_key)
         self.server.start()
 
     def wait_ready(self, timeout_s: float = 600.0) -> str | None:
@@ -74,6 +86,17 @@ class RolloutServerWorker(Worker):
             return None
         self.server.wait_ready(timeout_s)
         return self.server.url
+
+    def restart(self, urls: Sequence[str] | None = None, timeout_s: float = 600.0) -> bool:
+        """Restart this rank's server if its URL is in ``urls`` (all when None): stop what is
+        left of it, start it on the same port, wait until it is healthy. It serves the weights
+        on disk until the trainer re-syncs it. Returns whether it restarted (never on a
+        follower rank)."""
+        if self.server is None or (urls is not None and self.server.url not in urls):
+            return False
+        self.server.restart(stop_timeout_s=5.0)
+        self.server.wait_ready(timeout_s)
+        return True
 
     def alive(self) -> bool:
         """Whether the server process is running (a follower rank is always alive)."""

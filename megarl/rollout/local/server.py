@@ -5,19 +5,27 @@
 shared/reference/SGLANG_API.md), so megarl's SGLang client drives this server and real SGLang
 servers alike. Bad requests get HTTP 400 with ``{"object": "error", "message": ...}`` and the
 server keeps serving. ``POST /megarl/weights`` also hosts megarl's own checkpoint-engine
-protocol (:mod:`megarl.rollout.local.checkpoint_engine`). Binds loopback unless told otherwise:
-``/update_weights_from_tensor`` unpickles its payload, as SGLang does (and the ``ipc``
+protocol (:mod:`megarl.rollout.local.checkpoint_engine`).
+
+Security: ``/update_weights_from_tensor`` unpickles its payload, as SGLang does (and the ``ipc``
 transport maps shared memory named by the caller), so the port must not face untrusted clients.
+The server binds 127.0.0.1 unless ``--host`` says otherwise. With an API key (the environment
+variable ``MEGARL_ROLLOUT_API_KEY``, from ``rollout.api_key``) every endpoint, health and
+weight updates included, requires ``Authorization: Bearer <key>`` and answers 401 without it;
+a non-loopback ``--host`` without a key is refused at start. The key is never logged, never
+on the command line and never in ``/get_server_info``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
+import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,10 +33,12 @@ import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from megarl.config.model_info import weight_files
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.checkpoint_engine import CheckpointEndpoint
 from megarl.rollout.local.engine import MEMORY_TAGS, LocalEngine
 from megarl.rollout.local.engine import Request as EngineRequest
+from megarl.rollout.local.launch import API_KEY_ENV, is_loopback_host
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.protocol import BadRequest, Limits, parse_generate, sample_to_sglang
 from megarl.rollout.local.weight_updates import WeightReceiver
@@ -81,6 +91,27 @@ class ServerState:
     args: dict[str, Any]
     checkpoint: CheckpointEndpoint
     """megarl's checkpoint-engine protocol (``POST /megarl/weights``)."""
+    api_key: str | None = field(default=None, repr=False)
+    """Key every request must carry (``Authorization: Bearer``); None = no check."""
+
+
+class ApiKeyGuard:
+    """ASGI middleware: answer 401 to any HTTP request without ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """Check the header, then hand the request on (or refuse it)."""
+        if scope["type"] == "http":
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self._expected):
+                refusal = _error("missing or wrong API key: send the header 'Authorization: "
+                                 "Bearer <rollout.api_key>'", 401)
+                await refusal(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def load_tokenizer(model_path: str) -> Any:
@@ -276,7 +307,10 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
 
 def build_app(state: ServerState) -> FastAPI:
     """The FastAPI application serving ``state``'s engine."""
-    app = FastAPI(title="megarl embedded rollout engine")
+    app = FastAPI(title="megarl embedded rollout engine", docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    if state.api_key:
+        app.add_middleware(ApiKeyGuard, api_key=state.api_key)
 
     @app.exception_handler(BadRequest)
     async def bad_request(request: Request, err: BadRequest) -> JSONResponse:
@@ -320,8 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def create_state(args: argparse.Namespace) -> ServerState:
-    """Load the model and start the engine thread."""
+def create_state(args: argparse.Namespace, api_key: str | None = None) -> ServerState:
+    """Load the model and start the engine thread; ``api_key`` guards every endpoint."""
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
@@ -334,7 +368,7 @@ def create_state(args: argparse.Namespace) -> ServerState:
     receiver = WeightReceiver(engine)
     state = ServerState(engine, receiver, tokenizer, limits, args.model,
                         {k: v for k, v in vars(args).items()},
-                        CheckpointEndpoint(engine, receiver))
+                        CheckpointEndpoint(engine, receiver), api_key=api_key)
     engine.start()
     return state
 
@@ -345,11 +379,22 @@ def serve_main(argv: list[str]) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr)
+    api_key = os.environ.get(API_KEY_ENV) or None
+    if not is_loopback_host(args.host) and api_key is None:
+        print(f"--host {args.host}: refusing to serve a non-loopback address without an API key "
+              f"(anyone who reaches the port could replace the weights); set {API_KEY_ENV} "
+              "(rollout.api_key) or bind --host 127.0.0.1", file=sys.stderr)
+        return 2
     if not Path(args.model, "config.json").exists():
         print(f"--model {args.model}: no config.json there; pass an HF model directory",
               file=sys.stderr)
         return 2
-    state = create_state(args)
+    if not weight_files(args.model):
+        print(f"--model {args.model}: config.json but no weights (*.safetensors, "
+              "pytorch_model*.bin) there; pass the HF checkpoint directory, not a model card",
+              file=sys.stderr)
+        return 2
+    state = create_state(args, api_key)
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
     finally:

@@ -2,11 +2,26 @@
 
 One ``httpx.AsyncClient`` (pooled, kept-alive connections) serves all engines. Generation goes
 through the load balancer (least outstanding tokens, sticky per prompt), with at most
-``max_concurrency_per_engine`` requests in flight per engine, retries with backoff when the
-connection fails (an engine restarting), and a request id per prompt so it can be aborted; a
-cancelled ``generate`` aborts its requests on the engine. Control and weight-update calls go to
-every engine at once (with a router, generation goes to the router and control calls still go to
-the engines themselves).
+``max_concurrency_per_engine`` requests in flight per engine and a request id per prompt so it
+can be aborted; a cancelled ``generate`` aborts its requests on the engine. Control and
+weight-update calls go to every engine at once (with a router, generation goes to the router and
+control calls still go to the engines themselves). With ``api_key`` every request carries
+``Authorization: Bearer <api_key>``.
+
+Engine failures (see :mod:`megarl.rollout.recovery` for bringing engines back):
+
+- a request whose connection fails is retried on the same engine while the engine still
+  answers ``/health``; when it does not, the engine is marked *down* (``on_engine_down`` is
+  called), every request in flight on it is cancelled there, and each is re-sent to another
+  engine. ``/health`` checks (:meth:`SGLangClient.health`, :meth:`SGLangClient.monitor`) mark
+  an engine down after ``unhealthy_after`` failures in a row, which catches hung engines;
+- a down engine takes no requests until :meth:`SGLangClient.readmit` checked that it serves the
+  expected ``weight_version``; while every engine is down a request waits up to
+  ``failover_timeout_s`` for one to be readmitted;
+- with ``retry_aborted > 0`` a request that the *engine* aborted (a weight update with
+  ``abort_all_requests``, ``pause_generation(mode=abort)``, a server shutting down) is sent again
+  up to that many times, so the caller receives samples produced by one set of weights. Requests
+  aborted through this client's :meth:`SGLangClient.abort` are returned as aborted.
 """
 
 from __future__ import annotations
@@ -14,13 +29,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from collections.abc import Hashable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
 
-from megarl.rollout.balancer import LoadBalancer
+from megarl.rollout.balancer import LoadBalancer, NoHealthyEngine
 from megarl.rollout.interface import PauseMode, RolloutEngine, RolloutSample, SamplingParams
 from megarl.rollout.sglang.codec import decode_generate_answer, generate_payload
 
@@ -32,6 +47,24 @@ RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
 
 class EngineError(RuntimeError):
     """An engine answered with an error or could not be reached."""
+
+
+class _EngineLost(Exception):
+    """The engine running a request went down; the request goes to another engine."""
+
+
+@dataclass
+class ClientStats:
+    """What the client did to keep generation going (counters since it was created)."""
+
+    requests: list[int] = field(default_factory=list)
+    """``/generate`` requests sent, per engine."""
+    engine_failures: int = 0
+    """Times an engine was marked down."""
+    failovers: int = 0
+    """Requests re-sent to another engine because theirs went down."""
+    resubmitted_aborts: int = 0
+    """Requests the engine aborted that were sent again (``retry_aborted``)."""
 
 
 class SGLangClient(RolloutEngine):
@@ -48,6 +81,12 @@ class SGLangClient(RolloutEngine):
         timeout_s: float | None = None,
         routed_experts_layout: tuple[int, int] | None = None,
         ranks_per_engine: int = 1,
+        api_key: str | None = None,
+        retry_aborted: int = 0,
+        failover_timeout_s: float = 0.0,
+        unhealthy_after: int = 3,
+        health_timeout_s: float = 5.0,
+        on_engine_down: Callable[[int, str], None] | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("engine_urls: give at least one engine URL")
@@ -56,25 +95,36 @@ class SGLangClient(RolloutEngine):
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
         self.ranks_per_engine = ranks_per_engine
+        self.retry_aborted = retry_aborted
+        self.failover_timeout_s = failover_timeout_s
+        self.unhealthy_after = unhealthy_after
+        self.health_timeout_s = health_timeout_s
+        self.on_engine_down = on_engine_down
         self.balancer = LoadBalancer(len(self.urls))
+        self.stats = ClientStats(requests=[0] * len(self.urls))
         self._limit = max_concurrency_per_engine
         self._semaphores: list[asyncio.Semaphore] | None = None
         self._layouts: dict[int, tuple[int, int] | None] = {}
         self._default_layout = routed_experts_layout
         self._rid_engine: dict[str, int] = {}
-        connections = max_concurrency_per_engine * len(self.urls) + 16
-        self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=10.0),
-            limits=httpx.Limits(max_connections=connections,
-                                max_keepalive_connections=connections))
+        self._inflight: list[set[asyncio.Task]] = [set() for _ in self.urls]
+        self._failed_checks = [0] * len(self.urls)
+        self._aborted_rids: set[str] = set()
+        self._abort_epoch = 0
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._http = _pooled(16 + 4 * len(self.urls), timeout_s, headers)
+        # one pool per engine: httpx scans its whole pool on every request, so a shared pool
+        # of N engines x max_concurrency connections would cost N times more per request
+        self._generate_http = [_pooled(max_concurrency_per_engine + 4, timeout_s, headers)
+                               for _ in range(1 if router_url else len(self.urls))]
 
     # ----- HTTP plumbing -----
-    async def _request(self, method: str, url: str, body: Any = None, *,
-                       retry: bool = True) -> httpx.Response:
+    async def _request(self, method: str, url: str, body: Any = None, *, retry: bool = True,
+                       http: httpx.AsyncClient | None = None) -> httpx.Response:
         attempts = self.max_retries + 1 if retry else 1
         for attempt in range(attempts):
             try:
-                return await self._http.request(method, url, json=body)
+                return await (http or self._http).request(method, url, json=body)
             except RETRYABLE as err:
                 if attempt + 1 == attempts:
                     raise EngineError(f"{method} {url} failed after {attempts} attempts: "
@@ -90,19 +140,30 @@ class SGLangClient(RolloutEngine):
                               f"{_message(response)}")
         return response.json() if response.content else None
 
-    async def _each(self, method: str, path: str, body: Any = None, *,
-                    retry: bool = False) -> list[Any]:
-        """Call every engine at once; returns their answers in engine order."""
-        return list(await asyncio.gather(
-            *(self._json(method, url + path, body, retry=retry) for url in self.urls)))
+    def _targets(self, engines: Sequence[int] | None) -> list[int]:
+        return list(range(len(self.urls))) if engines is None else list(engines)
 
-    async def _each_outcome(self, path: str, bodies: Sequence[dict[str, Any]]) -> list[str]:
-        """POST a ``{"success", "message"}`` endpoint on every engine; raise on any failure."""
+    def live_engines(self) -> list[int]:
+        """Engines not marked down."""
+        return [i for i in range(len(self.urls)) if i not in self.balancer.down]
+
+    async def _each(self, method: str, path: str, body: Any = None, *, retry: bool = False,
+                    engines: Sequence[int] | None = None) -> list[Any]:
+        """Call every engine (or ``engines``) at once; returns their answers in that order."""
+        return list(await asyncio.gather(
+            *(self._json(method, self.urls[i] + path, body, retry=retry)
+              for i in self._targets(engines))))
+
+    async def _each_outcome(self, path: str, bodies: Sequence[dict[str, Any]],
+                            engines: Sequence[int] | None = None) -> list[str]:
+        """POST a ``{"success", "message"}`` endpoint on every engine (or ``engines``, one body
+        each); raise on any failure."""
+        urls = [self.urls[i] for i in self._targets(engines)]
         responses = await asyncio.gather(
             *(self._request("POST", url + path, body, retry=False)
-              for url, body in zip(self.urls, bodies)))
+              for url, body in zip(urls, bodies)))
         messages = []
-        for url, response in zip(self.urls, responses):
+        for url, response in zip(urls, responses):
             data = response.json() if response.content else {}
             if response.status_code >= 400 or not data.get("success", True):
                 reason = data.get("message", _message(response))
@@ -145,26 +206,109 @@ class SGLangClient(RolloutEngine):
         prompt_index: int = 0, group_key: Hashable | None = None, return_logprob: bool = True,
         return_routed_experts: bool = False,
     ) -> list[RolloutSample]:
-        """One prompt's ``n`` samples from one engine."""
+        """One prompt's ``n`` samples from one engine (another one if that engine fails)."""
         rid = rid or uuid.uuid4().hex
         payload = generate_payload(prompt_ids, params, rid=rid, return_logprob=return_logprob,
                                    return_routed_experts=return_routed_experts)
         cost = (len(prompt_ids) + params.max_new_tokens) * params.n
         key = group_key if group_key is not None else tuple(prompt_ids)
-        engine = self.balancer.acquire(key, cost)
-        url = self.router_url or self.urls[engine]
-        self._rid_engine[rid] = engine
+        lost, resubmits = 0, 0
         try:
-            async with self._semaphore(engine):
-                answer = await self._json("POST", url + "/generate", payload)
-        except asyncio.CancelledError:
-            await asyncio.shield(self._abort_quietly(rid))
-            raise
+            while True:
+                engine = await self._acquire(key, cost)
+                epoch = self._abort_epoch
+                try:
+                    answer = await self._generate_on(engine, rid, payload)
+                except _EngineLost:
+                    lost += 1
+                    self.stats.failovers += 1
+                    if lost > len(self.urls) * (self.max_retries + 1):
+                        raise EngineError(f"request {rid}: its engine failed {lost} times; "
+                                          "see the engine logs") from None
+                    continue
+                finally:
+                    self.balancer.release(engine, cost)
+                layout = await self._layout(engine) if return_routed_experts else None
+                samples = decode_generate_answer(answer, prompt_ids, prompt_index, layout)
+                if not self._resubmit(samples, rid, epoch, resubmits):
+                    return samples
+                resubmits += 1
+                self.stats.resubmitted_aborts += 1
         finally:
-            self.balancer.release(engine, cost)
-            self._rid_engine.pop(rid, None)
-        layout = await self._layout(engine) if return_routed_experts else None
-        return decode_generate_answer(answer, prompt_ids, prompt_index, layout)
+            self._aborted_rids.discard(rid)
+
+    async def _acquire(self, key: Hashable, cost: int) -> int:
+        """An engine for the request; waits up to ``failover_timeout_s`` while all are down."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.failover_timeout_s
+        while True:
+            try:
+                return self.balancer.acquire(key, cost)
+            except NoHealthyEngine as err:
+                if loop.time() >= deadline:
+                    raise EngineError(f"{err} (waited {self.failover_timeout_s:.0f} s for one to "
+                                      "be readmitted)") from None
+            await asyncio.sleep(0.1)
+
+    async def _generate_on(self, engine: int, rid: str, payload: dict[str, Any]) -> Any:
+        """POST ``/generate`` to ``engine``; :class:`_EngineLost` when it goes down meanwhile."""
+        async with self._semaphore(engine):
+            if engine in self.balancer.down:
+                raise _EngineLost
+            self._rid_engine[rid] = engine
+            self.stats.requests[engine] += 1
+            call = asyncio.ensure_future(self._post_generate(engine, payload))
+            self._inflight[engine].add(call)
+            try:
+                return await call
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if (task is not None and task.cancelling()) or engine not in self.balancer.down:
+                    await asyncio.shield(self._abort_quietly(rid))
+                    raise
+                raise _EngineLost from None
+            finally:
+                self._inflight[engine].discard(call)
+                self._rid_engine.pop(rid, None)
+
+    async def _post_generate(self, engine: int, payload: dict[str, Any]) -> Any:
+        """One ``/generate`` call. A failed connection is retried at once (a kept-alive
+        connection the server had just closed), then up to ``max_retries`` times with backoff
+        while the engine answers ``/health``; otherwise the engine is marked down and
+        :class:`_EngineLost` raised. Behind a router, failures are the router's to handle."""
+        if self.router_url is not None:
+            response = await self._request("POST", self.router_url + "/generate", payload,
+                                           http=self._generate_http[0])
+        else:
+            response = await self._post_to_engine(engine, payload)
+        if response.status_code >= 400:
+            raise EngineError(f"POST {response.request.url} -> HTTP {response.status_code}: "
+                              f"{_message(response)}")
+        return response.json()
+
+    async def _post_to_engine(self, engine: int, payload: dict[str, Any]) -> httpx.Response:
+        url, http = self.urls[engine], self._generate_http[engine]
+        attempts = self.max_retries + 2
+        for attempt in range(attempts):
+            try:
+                return await http.post(url + "/generate", json=payload)
+            except RETRYABLE as err:
+                if attempt == 0:
+                    continue
+                reason = f"{type(err).__name__}: {err or 'connection lost'}"
+                if attempt == attempts - 1 or not await self._probe(engine):
+                    self.mark_down(engine, f"/generate failed ({reason}) and /health does not "
+                                           "answer")
+                    raise _EngineLost from None
+                await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
+        raise AssertionError("unreachable")
+
+    def _resubmit(self, samples: list[RolloutSample], rid: str, epoch: int,
+                  resubmits: int) -> bool:
+        """Whether samples the engine aborted should be generated again."""
+        return (resubmits < self.retry_aborted
+                and any(s.finish_reason == "abort" for s in samples)
+                and rid not in self._aborted_rids and epoch == self._abort_epoch)
 
     def _semaphore(self, engine: int) -> asyncio.Semaphore:
         if self._semaphores is None:
@@ -187,21 +331,100 @@ class SGLangClient(RolloutEngine):
         except EngineError as err:
             logger.warning("could not abort %s: %s", rid, err)
 
+    # ----- engine failures -----
+    @property
+    def down(self) -> dict[int, str]:
+        """Engines marked down (taking no requests until :meth:`readmit`), with the reason."""
+        return dict(self.balancer.down)
+
+    def mark_down(self, engine: int, reason: str) -> None:
+        """Take ``engine`` out of service: its requests in flight go to other engines."""
+        if not self.balancer.mark_down(engine, reason):
+            return
+        self.stats.engine_failures += 1
+        logger.warning("rollout engine %d (%s) is down: %s; its %d requests in flight go to the "
+                       "other engines", engine, self.urls[engine], reason,
+                       len(self._inflight[engine]))
+        for call in list(self._inflight[engine]):
+            call.cancel()
+        if self.on_engine_down is not None:
+            self.on_engine_down(engine, reason)
+
+    async def readmit(self, engine: int, weight_version: str | None) -> None:
+        """Put a recovered engine back into service once it serves ``weight_version`` (not
+        checked when None); raise :class:`EngineError` if it serves another."""
+        info = await self._json("GET", self.urls[engine] + "/get_model_info")
+        served = info.get("weight_version")
+        if weight_version is not None and str(served) != str(weight_version):
+            raise EngineError(f"engine {engine} ({self.urls[engine]}) serves weight_version "
+                              f"{served!r}, expected {weight_version!r}; push the current "
+                              "weights to it before readmitting it")
+        self._layouts.pop(engine, None)
+        self._failed_checks[engine] = 0
+        self.balancer.readmit(engine)
+        logger.warning("rollout engine %d (%s) is back at weight_version %r", engine,
+                       self.urls[engine], served)
+
+    async def _probe(self, engine: int) -> bool:
+        """Whether the engine answers ``/health`` with 200 within ``health_timeout_s``."""
+        try:
+            response = await self._http.get(self.urls[engine] + "/health",
+                                            timeout=self.health_timeout_s)
+        except httpx.HTTPError:
+            return False
+        return response.status_code == 200
+
+    async def health(self) -> list[bool]:
+        """``/health`` of every engine (False when unreachable); an engine that fails
+        ``unhealthy_after`` checks in a row is marked down."""
+        states = list(await asyncio.gather(*(self._probe(i) for i in range(len(self.urls)))))
+        for i, ok in enumerate(states):
+            self.balancer.set_healthy(i, ok)
+            self._failed_checks[i] = 0 if ok else self._failed_checks[i] + 1
+            if self._failed_checks[i] >= self.unhealthy_after:
+                self.mark_down(i, f"failed {self._failed_checks[i]} health checks in a row")
+        return states
+
+    async def monitor(self, interval_s: float = 5.0) -> None:
+        """Check every engine's health every ``interval_s`` until cancelled (run it as a task
+        next to generation to catch engines that hang rather than die)."""
+        while True:
+            await self.health()
+            await asyncio.sleep(interval_s)
+
+    async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
+        """Wait until every engine answers ``/health`` with 200."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            states = list(await asyncio.gather(*(self._probe(i) for i in range(len(self.urls)))))
+            if all(states):
+                return
+            if asyncio.get_running_loop().time() > deadline:
+                down = [u for u, ok in zip(self.urls, states) if not ok]
+                raise EngineError(f"engines not ready after {timeout_s:.0f} s: {down}")
+            await asyncio.sleep(poll_s)
+
     # ----- control -----
     async def abort(self, rid: str | None = None) -> None:
-        """Abort one request (on the engine running it) or every request on every engine."""
+        """Abort one request (on the engine running it) or every request on every engine;
+        aborted requests are returned as aborted, never re-sent."""
+        if rid is None:
+            self._abort_epoch += 1
+        else:
+            self._aborted_rids.add(rid)
         body = {"rid": rid} if rid is not None else {"rid": "", "abort_all": True}
         engine = self._rid_engine.get(rid) if rid is not None else None
-        urls = [self.urls[engine]] if engine is not None else self.urls
-        await asyncio.gather(*(self._json("POST", u + "/abort_request", body) for u in urls))
+        engines = [engine] if engine is not None else self.live_engines()
+        await self._each("POST", "/abort_request", body, retry=True, engines=engines)
 
     async def pause(self, mode: PauseMode = "retract") -> None:
-        """``/pause_generation`` on every engine."""
-        await self._each("POST", "/pause_generation", {"mode": mode})
+        """``/pause_generation`` on every engine that is not down."""
+        await self._each("POST", "/pause_generation", {"mode": mode},
+                         engines=self.live_engines())
 
     async def resume(self) -> None:
-        """``/continue_generation`` on every engine."""
-        await self._each("POST", "/continue_generation", {})
+        """``/continue_generation`` on every engine that is not down."""
+        await self._each("POST", "/continue_generation", {}, engines=self.live_engines())
 
     async def flush_cache(self) -> list[bool]:
         """``/flush_cache`` on every engine; False where requests were pending."""
@@ -219,28 +442,6 @@ class SGLangClient(RolloutEngine):
         body = {"tags": list(tags) if tags is not None else None}
         await self._each_outcome("/resume_memory_occupation", [body] * len(self.urls))
 
-    async def health(self) -> list[bool]:
-        """``/health`` of every engine (False when unreachable)."""
-        async def one(url: str) -> bool:
-            try:
-                return (await self._http.get(url + "/health", timeout=5.0)).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        states = list(await asyncio.gather(*(one(u) for u in self.urls)))
-        for i, ok in enumerate(states):
-            self.balancer.set_healthy(i, ok)
-        return states
-
-    async def wait_ready(self, timeout_s: float = 600.0, poll_s: float = 0.5) -> None:
-        """Wait until every engine answers ``/health`` with 200."""
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while not all(states := await self.health()):
-            if asyncio.get_running_loop().time() > deadline:
-                down = [u for u, ok in zip(self.urls, states) if not ok]
-                raise EngineError(f"engines not ready after {timeout_s:.0f} s: {down}")
-            await asyncio.sleep(poll_s)
-
     async def get_weight_version(self) -> list[str | None]:
         """Each engine's ``weight_version``."""
         infos = await self._each("GET", "/get_model_info", retry=True)
@@ -254,7 +455,8 @@ class SGLangClient(RolloutEngine):
 
     async def close(self) -> None:
         """Close pooled connections."""
-        await self._http.aclose()
+        for http in (self._http, *self._generate_http):
+            await http.aclose()
 
     # ----- weights -----
     async def init_weights_update_group(
@@ -268,10 +470,12 @@ class SGLangClient(RolloutEngine):
                    "group_name": group_name, "backend": backend} for i in range(len(self.urls))]
         await self._each_outcome("/init_weights_update_group", bodies)
 
-    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
-        """Every engine leaves the group."""
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group", *,
+                                           engines: Sequence[int] | None = None) -> None:
+        """Every engine (or ``engines``: e.g. all but a restarted one) leaves the group."""
+        targets = self._targets(engines)
         await self._each_outcome("/destroy_weights_update_group",
-                                 [{"group_name": group_name}] * len(self.urls))
+                                 [{"group_name": group_name}] * len(targets), targets)
 
     async def update_weights_from_distributed(
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
@@ -322,6 +526,17 @@ class SGLangClient(RolloutEngine):
             out.append((bool(data.get("success")) and r.status_code == 200,
                         str(data.get("message", _message(r)))))
         return out
+
+
+def _pooled(connections: int, timeout_s: float | None,
+            headers: dict[str, str] | None) -> httpx.AsyncClient:
+    """An HTTP client keeping up to ``connections`` connections alive; idle ones are dropped
+    after 2 s, before a server closes them (uvicorn does after 5 s), so a request rarely meets
+    a connection the server is closing."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers,
+        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
+                            keepalive_expiry=2.0))
 
 
 def _message(response: httpx.Response) -> str:
