@@ -56,6 +56,9 @@ class StepBatch:
     """``[B, T]`` rollout-correction weights (None when off)."""
     loss_mask: torch.Tensor | None = None
     """``[B, T]`` response tokens that are trained on (after rejection sampling)."""
+    replay_routes: list[torch.Tensor] | None = None
+    """Per sample, int16 ``[L_i (or L_i - 1), moe_layers, top_k]`` experts the update routes
+    each token of ``sequences()[i]`` to (router replay R2/R3; -1 rows route natively)."""
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -82,6 +85,25 @@ class StepBatch:
         """``[B, T]`` the engine's log-probs of the response tokens."""
         return pad_responses([s.log_probs or [0.0] * len(s.response_ids) for s in self.samples],
                              max(self.width, 1))
+
+    def engine_routes(self) -> list[torch.Tensor]:
+        """Per sample, int16 ``[L_i - 1, moe_layers, top_k]``: the rollout engine's experts for
+        each token of ``sequences()[i]`` but the last (which the engine never fed back). Rows
+        the engine did not return (a prompt prefix skipped by ``routed_experts_start_len``)
+        are -1."""
+        out = []
+        for i, s in enumerate(self.samples):
+            fed = len(s.prompt_ids) + len(s.response_ids) - 1
+            routes = s.routed_experts
+            if routes is None:
+                raise ValueError(f"sample {i} has no routed experts; the engines must return them "
+                                 "(rollout.enable_return_routed_experts=true)")
+            if routes.dim() != 3 or len(routes) > fed:
+                raise ValueError(f"sample {i}: routed experts of shape {tuple(routes.shape)} for "
+                                 f"{fed} fed tokens; expected [<= {fed}, moe_layers, top_k]")
+            missing = routes.new_full((fed - len(routes), *routes.shape[1:]), -1)
+            out.append(torch.cat([missing, routes]).to(torch.int16))
+        return out
 
     def padded(self, per_sample: Sequence[Sequence[float]]) -> torch.Tensor:
         """``[B, T]`` tensor of ragged per-response values."""
@@ -113,4 +135,6 @@ class StepBatch:
             record["ref_log_probs"] = full(self.ref_log_probs[i])
         if self.rollout_is_weights is not None:
             record["rollout_is_weights"] = full(self.rollout_is_weights[i])
+        if self.replay_routes is not None:
+            record["routes"] = self.replay_routes[i]
         return record

@@ -27,11 +27,13 @@ from megarl.algo.policy_loss import (
 )
 from megarl.algo.rollout_correction import (
     IS_LEVELS,
-    RS_LEVELS,
+    RS_CRITERIA,
     compute_rollout_correction,
+    off_policy_metrics,
     rollout_is_weights,
     rollout_probs_diff_metrics,
     rollout_rejection_mask,
+    router_agreement,
 )
 
 __all__ = [
@@ -40,7 +42,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
-    "RS_LEVELS",
+    "RS_CRITERIA",
     "aggregate_loss",
     "compute_advantages",
     "compute_rollout_correction",
@@ -57,6 +59,7 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "off_policy_metrics",
     "outcome_to_token_rewards",
     "ppo_policy_loss",
     "reinforce_plus_plus_advantages",
@@ -64,4 +67,5 @@ __all__ = [
     "rollout_is_weights",
     "rollout_probs_diff_metrics",
     "rollout_rejection_mask",
+    "router_agreement",
 ]

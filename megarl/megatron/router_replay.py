@@ -21,7 +21,8 @@ of instances) and aligns the routes with how the forward sees the tokens:
   call of each router (a recompute inside backward is told apart by autograd's graph task id).
 
 A replayed row of ``-1`` (e.g. the last generated token, for which the rollout engine reports no
-route) is routed natively. Rows must not repeat an expert: megatron's all-to-all dispatcher
+route) is routed natively; ``replay_routes(..., record=True)`` also returns the routes a replayed
+forward used (the given rows, and the model's own choice on the ``-1`` rows). Rows must not repeat an expert: megatron's all-to-all dispatcher
 sizes its buffers as ``tokens * top_k`` and would mis-route duplicates.
 """
 
@@ -53,7 +54,8 @@ NATIVE_ROUTE = -1
 
 
 class NativeRowsRouterReplay(RouterReplay):
-    """megatron's ``RouterReplay``, where replayed rows of ``-1`` keep the model's own top-k."""
+    """megatron's ``RouterReplay``, where replayed rows of ``-1`` keep the model's own top-k,
+    and a replayed forward records the indices it routed with (as ``RECORD`` does)."""
 
     def get_replay_topk(
         self,
@@ -84,7 +86,12 @@ class NativeRowsRouterReplay(RouterReplay):
                 self.replay_backward_list[-1] = filled
             else:
                 self.replay_backward_list[0] = filled
-        return super().get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        probs, indices = super().get_replay_topk(
+            scores, topk, num_groups, group_topk, default_compute_topk
+        )
+        if action is RouterReplayAction.REPLAY_FORWARD:
+            self.record_indices(indices)
+        return probs, indices
 
 
 @dataclass
@@ -175,23 +182,43 @@ def record_routes(
     cpu_compat.enable()
     routers = moe_routers(model)
     batches, groups = make_micro_batches(model, sequences, max_tokens_per_micro_batch)
+    calls, after_forward = _call_recorder(routers)
+    recording = RouteRecording()
+    with _hooks(routers, RouterReplayAction.RECORD, forward_hook=after_forward):
+        yield recording
+    recording.routes = _finish_recording(model, routers, calls, batches, groups, "record_routes")
+
+
+def _call_recorder(routers: list[MoERouter]) -> tuple[dict[int, list[torch.Tensor]], Any]:
+    """Per router, the indices of each forward call (not the recomputes inside backward), and
+    the forward hook that collects them."""
     calls: dict[int, list[torch.Tensor]] = {id(r.router): [] for r in routers}
 
     def after_forward(router: torch.nn.Module, inputs: Any, output: Any) -> None:
         if not _in_backward():
             calls[id(router)].append(router.router_replay.get_recorded_indices())
 
-    recording = RouteRecording()
-    with _hooks(routers, RouterReplayAction.RECORD, forward_hook=after_forward):
-        yield recording
+    return calls, after_forward
+
+
+def _finish_recording(
+    model: ActorModel,
+    routers: list[MoERouter],
+    calls: dict[int, list[torch.Tensor]],
+    batches: list[PackedBatch],
+    groups: list[list[int]],
+    caller: str,
+) -> list[torch.Tensor]:
+    """Check one forward call per micro-batch, then assemble the per-sequence routes."""
     for r in routers:
         if len(calls[id(r.router)]) != len(batches):
             raise RuntimeError(
-                f"record_routes: MoE layer {r.moe_index} ran {len(calls[id(r.router)])} "
+                f"{caller}: MoE layer {r.moe_index} ran {len(calls[id(r.router)])} "
                 f"forward passes for {len(batches)} micro-batches; run exactly one forward over "
                 "the same sequences and max_tokens_per_micro_batch inside the block"
             )
-    recording.routes = _assemble(model, routers, calls, batches, groups, len(sequences))
+    num_sequences = sum(len(g) for g in groups)
+    return _assemble(model, routers, calls, batches, groups, num_sequences)
 
 
 @contextlib.contextmanager
@@ -274,11 +301,13 @@ def replay_routes(
     routes: Sequence[torch.Tensor],
     *,
     max_tokens_per_micro_batch: int | None = None,
-) -> Iterator[None]:
+    record: bool = False,
+) -> Iterator[RouteRecording]:
     """Route the forward pass run inside the block (``compute_log_probs`` or ``train_step``,
     with its backward and any recompute) with ``routes``: per sequence ``[L_i, num_moe_layers,
     top_k]`` (or ``L_i - 1`` rows; missing and ``-1`` rows route natively). Pass the forward the
-    same sequences and token budget."""
+    same sequences and token budget. With ``record``, the yielded recording holds the routes the
+    forward used when the block exits (the given ones, and the model's own on native rows)."""
     cpu_compat.enable()
     routers = moe_routers(model)
     batches, groups = make_micro_batches(model, sequences, max_tokens_per_micro_batch)
@@ -317,14 +346,25 @@ def replay_routes(
         replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         replay.set_target_indices(target)
 
-    with _hooks(routers, RouterReplayAction.REPLAY_FORWARD, pre_hook=before_forward):
-        yield
+    calls, after_forward = _call_recorder(routers)
+    recording = RouteRecording()
+    with _hooks(
+        routers,
+        RouterReplayAction.REPLAY_FORWARD,
+        pre_hook=before_forward,
+        forward_hook=after_forward if record else None,
+    ):
+        yield recording
         unused = max((len(q) for q in pending.values()), default=0)
         if unused:
             raise RuntimeError(
                 f"replay_routes: routes of {unused} micro-batches were not used; run one "
                 "forward over the same sequences and max_tokens_per_micro_batch inside the block"
             )
+    if record:
+        recording.routes = _finish_recording(
+            model, routers, calls, batches, groups, "replay_routes"
+        )
 
 
 def _pack_routes(
