@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.megarl-installed
 
-.PHONY: demo test test-slow lint clean
+.PHONY: demo test test-slow test-soak lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
+
+# the load test of issue 10: thousands of requests against two engines under weight updates
+test-soak: $(STAMP)
+	$(PY) -m pytest -q -m slow -s tests/soak
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check megarl bridge tests benchmarks

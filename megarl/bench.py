@@ -1,8 +1,10 @@
 """``megarl bench``: benchmarks by name, each printing its figures next to a floor or baseline.
 
 - ``weight-sync``: Megatron export -> transport -> embedded engines (:mod:`megarl.weights.benchmark`);
-- ``rollout``: embedded engine generation throughput (``benchmarks/rollout_throughput.py``,
-  found next to the ``megarl`` package in a source checkout).
+- ``rollout``, ``actor``, ``scheduler``: the scripts ``benchmarks/<name>_throughput.py`` (found
+  next to the ``megarl`` package in a source checkout): embedded engine vs HF ``generate``,
+  native-spec Megatron actor vs HF transformers (forward+backward), and the three schedulers on
+  long-tailed response lengths.
 """
 
 from __future__ import annotations
@@ -12,8 +14,8 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-ROLLOUT_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout_throughput.py"
-NOT_BUILT = {"actor": "the actor (train step) benchmark"}
+SCRIPTS = Path(__file__).resolve().parents[1] / "benchmarks"
+NOT_BUILT: dict[str, str] = {}
 
 
 def _weight_sync(argv: list[str]) -> int:
@@ -22,21 +24,29 @@ def _weight_sync(argv: list[str]) -> int:
     return weight_sync_main(argv)
 
 
-def _rollout(argv: list[str]) -> int:
-    if not ROLLOUT_SCRIPT.is_file():
-        print(f"megarl bench rollout: {ROLLOUT_SCRIPT} is not there; the rollout benchmark ships "
-              "with the source checkout (run it from a clone of megarl)", file=sys.stderr)
-        return 3
-    spec = importlib.util.spec_from_file_location("megarl_rollout_throughput", ROLLOUT_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return int(module.main(argv) or 0)
+def _script(name: str) -> Callable[[list[str]], int]:
+    """Run ``benchmarks/<name>_throughput.py``'s ``main``."""
+    def run(argv: list[str]) -> int:
+        script = SCRIPTS / f"{name}_throughput.py"
+        if not script.is_file():
+            print(f"megarl bench {name}: {script} is not there; the {name} benchmark ships with "
+                  "the source checkout (run it from a clone of megarl)", file=sys.stderr)
+            return 3
+        spec = importlib.util.spec_from_file_location(f"megarl_{name}_throughput", script)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return int(module.main(argv) or 0)
+
+    return run
 
 
 BENCHMARKS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "weight-sync": ("weights from Megatron ranks to embedded engines, per transport", _weight_sync),
-    "rollout": ("embedded engine generation throughput vs HF generate", _rollout),
+    "rollout": ("embedded engine generation throughput vs HF generate", _script("rollout")),
+    "actor": ("Megatron actor (native spec) fwd+bwd vs HF transformers, MFU", _script("actor")),
+    "scheduler": ("colocate_sync vs one_step_off vs fully_async on long-tailed lengths",
+                  _script("scheduler")),
 }
 
 

@@ -13,6 +13,12 @@ One step (``colocate_sync``), read top to bottom in :meth:`Trainer.step`:
 7. stream the new weights to every engine; ``weight_version += 1``;
 8. log metrics, run the health monitor.
 
+Steps 2 (:meth:`Trainer.rollout`), 3-6 (:meth:`Trainer.train_on`) and 7
+(:meth:`Trainer.sync_weights`) are written once; ``scheduler.mode`` picks a scheduler
+(:mod:`megarl.scheduler`) that only decides what overlaps with what: ``one_step_off`` trains
+step k while the engines generate step k+1, ``fully_async`` feeds training from a queue that
+the engines fill continuously.
+
 Workers: one :class:`~megarl.megatron.worker.ActorWorker` per train-pool slot and one
 :class:`~megarl.rollout.server_worker.RolloutServerWorker` per engine, in Ray placement groups.
 """
@@ -30,27 +36,51 @@ from typing import Any
 
 import torch
 
-from megarl.algo import compute_advantages, compute_rollout_correction, rollout_probs_diff_metrics
+from megarl.algo import (
+    compute_advantages,
+    compute_rollout_correction,
+    rollout_probs_diff_metrics,
+    router_agreement,
+)
 from megarl.batch import StepBatch, even_shares
 from megarl.config import RunConfig, load_config, validate_config
 from megarl.config.loader import ConfigError
 from megarl.config.render import render_config
+from megarl.faults import set_step
 from megarl.metrics.health import HealthMonitor, HealthThresholds
 from megarl.metrics.timing import reduce_metrics, throughput_metrics, timer
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
-from megarl.rollout.interface import SamplingParams
+from megarl.rollout.interface import RolloutSample, SamplingParams
+from megarl.scheduler import build_scheduler
+from megarl.trainer_checkpoint import resume_run, save_due, save_run_checkpoint
+from megarl.trainer_critic import (
+    CriticTargets,
+    compute_values,
+    critic_data_metrics,
+    gae_advantages_of,
+    update_critic,
+)
 from megarl.trainer_setup import Workers, build_workers, shutdown_workers
 
 # Config settings whose machinery is not part of this trainer yet: refused, never ignored.
 NOT_BUILT = (
-    ("trainer.save_every", lambda c: c.trainer.save_every > 0,
-     "checkpoint saving is not built into the trainer yet; set trainer.save_every=0"),
-    ("scheduler.mode", lambda c: c.scheduler.mode != "colocate_sync",
-     "only scheduler.mode=colocate_sync is built yet"),
-    ("algorithm.adv_estimator", lambda c: c.algorithm.adv_estimator not in ("grpo", "rloo"),
-     "the critic (gae) and token-level-reward estimators are not wired yet; use grpo or rloo"),
-    ("actor.router_replay.mode", lambda c: c.actor.router_replay.mode != "disabled",
-     "router replay is not wired into the trainer yet; set actor.router_replay.mode=disabled"),
+    ("algorithm.filter_groups.enable", lambda c: c.algorithm.filter_groups.enable
+     and c.scheduler.mode != "fully_async",
+     ("dynamic sampling is built into scheduler.mode=fully_async only yet; set "
+      "scheduler.mode=fully_async or algorithm.filter_groups.enable=false")),
+    ("algorithm.adv_estimator", lambda c: c.algorithm.adv_estimator == "reinforce_plus_plus",
+     "the token-level-reward estimator reinforce_plus_plus is not wired yet; use grpo, rloo or "
+     "gae"),
+    ("algorithm.rollout_correction.bypass_mode",
+     lambda c: c.algorithm.rollout_correction.bypass_mode and (
+         c.algorithm.rollout_correction.rollout_is or c.algorithm.rollout_correction.rollout_rs),
+     ("bypass_mode makes the rollout log-probs the PPO anchor; IS weights / rejection against "
+      "the current policy inside the loss are not built; set algorithm.rollout_correction."
+      "rollout_is=null and rollout_rs=null, or bypass_mode=false")),
+    ("actor.router_replay.mode", lambda c: c.actor.router_replay.mode == "R2"
+     and c.algorithm.rollout_correction.bypass_mode,
+     ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "
+      "actor.router_replay.mode=R3 or algorithm.rollout_correction.bypass_mode=false")),
 )
 
 
@@ -59,10 +89,8 @@ class Trainer:
 
     def __init__(self, cfg: RunConfig, sources: dict[str, str] | None = None) -> None:
         self.cfg = cfg
+        self.sources = sources or {}
         self.output_dir = Path(cfg.trainer.output_dir)
-        if self.is_driver:
-            self.output_dir.mkdir(parents=True, exist_ok=True)
-            (self.output_dir / "config.yaml").write_text(render_config(cfg, sources or {}))
         self.loop = asyncio.new_event_loop()
         self.weight_version = 0
         self.steps_done = 0
@@ -82,6 +110,8 @@ class Trainer:
         self.loader = PromptLoader(self.dataset, cfg.data.train_batch_size, seed=cfg.data.seed,
                                    shuffle=cfg.data.shuffle)
         self.tokenizer = self.dataset.tokenizer
+        if self.is_driver:  # outputs only once the inputs were read without error
+            self.save_config()
         self.val_dataset = None
         if cfg.trainer.val_every:
             self.val_dataset = load_prompt_dataset(
@@ -92,13 +122,22 @@ class Trainer:
                                      timeout_s=cfg.reward.timeout_s,
                                      format_score=cfg.reward.format_score)
         self.workers = build_workers(cfg, self.output_dir)
+        self.health = HealthMonitor(thresholds=HealthThresholds(
+            clip_ratio=cfg.actor.clip_ratio_high))
+        resumed_step = resume_run(self)
         loggers = cfg.trainer.loggers if self.is_driver else []
         self.tracker = MultiTracker.from_names(loggers, TrackerSettings(
             output_dir=self.output_dir, total_steps=cfg.trainer.total_steps,
             project_name=cfg.trainer.project_name, experiment_name=cfg.trainer.experiment_name,
-            wandb_proxy=cfg.trainer.wandb_proxy, run_config=cfg.model_dump(mode="json")))
-        self.health = HealthMonitor(thresholds=HealthThresholds(
-            clip_ratio=cfg.actor.clip_ratio_high))
+            wandb_proxy=cfg.trainer.wandb_proxy, run_config=cfg.model_dump(mode="json"),
+            resume_from_step=resumed_step or 0))  # a fresh run replaces old rows
+
+    def save_config(self) -> Path:
+        """Write the resolved config (secrets redacted) to ``<output_dir>/config.yaml``."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        path = self.output_dir / "config.yaml"
+        path.write_text(render_config(self.cfg, self.sources))
+        return path
 
     def close(self) -> None:
         """Stop workers and engines, close trackers."""
@@ -137,19 +176,28 @@ class Trainer:
 
     # ----- the step -----
     def fit(self) -> list[dict[str, float]]:
-        """Run ``trainer.total_steps`` steps; returns every step's metrics."""
+        """Run ``trainer.total_steps`` steps; ``scheduler.mode`` decides what overlaps with
+        what (:mod:`megarl.scheduler`). Returns every step's metrics."""
         history = []
-        val_every = self.cfg.trainer.val_every
-        for step in range(1, self.cfg.trainer.total_steps + 1):
-            metrics = self.step(self.loader.next_batch())
-            if val_every and (step % val_every == 0 or step == self.cfg.trainer.total_steps):
-                with timer("validate", metrics):
-                    metrics.update(self.validate())
-            for line in self.health.check(metrics, step):
-                self.tracker.warn(line)
-            metrics.update(self.health.metrics())
-            self.tracker.log(metrics, step)
-            history.append(metrics)
+        val_every, total = self.cfg.trainer.val_every, self.cfg.trainer.total_steps
+        scheduler = self.scheduler = build_scheduler(self, self.cfg.scheduler)
+        try:
+            for step in range(self.steps_done + 1, total + 1):
+                set_step(step)
+                metrics = scheduler.step(last=step == total)
+                if val_every and (step % val_every == 0 or step == total):
+                    with timer("validate", metrics):
+                        metrics.update(self.validate())
+                for line in self.health.check(metrics, step):
+                    self.tracker.warn(line)
+                metrics.update(self.health.metrics())
+                self.tracker.log(metrics, step)
+                history.append(metrics)
+                if save_due(self):
+                    save_run_checkpoint(self)
+            scheduler.finish()
+        finally:
+            scheduler.close()
         self.finish()
         return history
 
@@ -183,38 +231,92 @@ class Trainer:
         start = time.perf_counter()
         with timer("gen", metrics):
             batch = self.generate(prompts)
-        with timer("reward", metrics):
-            metrics.update(self.score(batch))
+        if self.cfg.rollout.colocate:
+            with timer("release_rollout", metrics):  # the engines leave the devices to training
+                self.engine_memory("release", ["kv_cache", "weights"])
+        self.train_on(batch, metrics)
+        with timer("sync_weights", metrics):
+            if self.cfg.rollout.colocate:
+                self.engine_memory("resume", ["weights"])
+            metrics.update(self.sync_weights())
+            if self.cfg.rollout.colocate:
+                self.engine_memory("resume", ["kv_cache"])
+        self.end_step(batch, metrics, start)
+        return metrics
+
+    def engine_memory(self, action: str, tags: list[str]) -> None:
+        """Release or resume (``action``) the engines' memory regions ``tags`` (SGLang's
+        ``/release_memory_occupation`` and ``/resume_memory_occupation``)."""
+        client = self.workers.client
+        call = client.release_memory if action == "release" else client.resume_memory
+        self.on_driver(lambda: self.run(call(tags)))
+
+    def train_on(self, batch: StepBatch, metrics: dict[str, float]) -> None:
+        """Steps 3-6 on generated samples: rewards (unless already scored), advantages, old
+        (and reference) log-probs, the actor update; their metrics go into ``metrics``. Every
+        scheduler trains through this one method."""
+        if batch.scores is None:
+            with timer("reward", metrics):
+                metrics.update(self.score(batch))
+        values = None
+        if self.workers.critic is not None:
+            with timer("values", metrics):
+                values = compute_values(self.workers.critic, batch)
         with timer("adv", metrics):
-            self.compute_advantages(batch)
+            targets = self.compute_advantages(batch, values)
         with timer("old_log_prob", metrics):
             metrics.update(self.compute_old_log_probs(batch))
         if self.cfg.ref.enabled:
             with timer("ref", metrics):
                 batch.ref_log_probs = self.compute_log_probs(batch, use_ref=True)["log_probs"]
+        if targets is not None:
+            with timer("update_critic", metrics):
+                metrics.update(update_critic(self.workers.critic, batch, targets, self.cfg))
+            metrics.update(critic_data_metrics(targets, batch.response_mask()))
         with timer("update_actor", metrics):
             metrics.update(self.update_actor(batch))
-        with timer("sync_weights", metrics):
-            metrics.update(self.sync_weights())
+
+    def end_step(self, batch: StepBatch, metrics: dict[str, float], start: float) -> None:
+        """Close a step that began at ``start`` (``time.perf_counter()``): its wall time, the
+        batch metrics, and the step counter."""
         metrics["timing/step"] = time.perf_counter() - start
         metrics.update(self.batch_metrics(batch, metrics))
         self.steps_done += 1
-        return metrics
 
     def generate(self, prompts: list[dict[str, Any]]) -> StepBatch:
         """``rollout.n`` samples per prompt from the engines."""
+        samples = self.on_driver(lambda: self.run(
+            self.rollout(self.workers.client, prompts, self.steps_done)))
+        return StepBatch(samples=samples, prompts=prompts, n=self.cfg.rollout.n)
+
+    async def rollout(self, client: Any, prompts: list[dict[str, Any]],
+                      step_index: int) -> list[RolloutSample]:
+        """The samples of step ``step_index``'s prompts, generated through ``client`` (the
+        schedulers call it from their own event loop)."""
+        return await client.generate([p["input_ids"] for p in prompts], self.sampling_params(),
+                                     seeds=self.prompt_seeds(step_index, len(prompts)),
+                                     **self.generation_options())
+
+    def sampling_params(self) -> SamplingParams:
+        """How every prompt of a training step is sampled (``rollout.n`` samples each)."""
         cfg, tok = self.cfg, self.tokenizer
         stop = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        params = SamplingParams(max_new_tokens=cfg.data.max_response_length,
-                                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                top_k=cfg.rollout.top_k, n=cfg.rollout.n, stop_token_ids=stop)
-        # one seed per prompt, from the run seed and the step: the samples do not depend on
-        # how the engines batch the requests, so a run is reproducible
-        base = (cfg.trainer.seed * 1_000_003 + self.steps_done * 10_007) % 2**31
-        seeds = [base + i * cfg.rollout.n for i in range(len(prompts))]
-        samples = self.on_driver(lambda: self.run(self.workers.client.generate(
-            [p["input_ids"] for p in prompts], params, return_logprob=True, seeds=seeds)))
-        return StepBatch(samples=samples, prompts=prompts, n=cfg.rollout.n)
+        return SamplingParams(max_new_tokens=cfg.data.max_response_length,
+                              temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                              top_k=cfg.rollout.top_k, n=cfg.rollout.n, stop_token_ids=stop)
+
+    def generation_options(self) -> dict[str, bool]:
+        """What the engines return with every training sample (log-probs; routes for R3)."""
+        return {"return_logprob": True,
+                "return_routed_experts": bool(self.cfg.rollout.enable_return_routed_experts)}
+
+    def prompt_seeds(self, step_index: int, count: int) -> list[int]:
+        """Sampling seeds of the prompts of step ``step_index`` (sample j of a prompt uses
+        seed + j): from the run seed and the step, so the samples do not depend on how the
+        engines batch requests and a run is reproducible."""
+        n = self.cfg.rollout.n
+        base = (self.cfg.trainer.seed * 1_000_003 + step_index * 10_007) % 2**31
+        return [base + i * n for i in range(count)]
 
     def score(self, batch: StepBatch) -> dict[str, float]:
         """Rewards of every sample; returns the reward metrics."""
@@ -230,51 +332,107 @@ class Trainer:
         batch.scores = torch.tensor(result.scores, dtype=torch.float32)
         return dict(result.metrics)
 
-    def compute_advantages(self, batch: StepBatch) -> None:
-        """Advantages per response token (the estimator of ``algorithm.adv_estimator``)."""
+    def compute_advantages(self, batch: StepBatch,
+                           values: list[list[float]] | None = None) -> CriticTargets | None:
+        """Advantages per response token (the estimator of ``algorithm.adv_estimator``); with
+        gae, from the critic's ``values``, returning the critic's targets."""
         alg = self.cfg.algorithm
+        if alg.adv_estimator == "gae":
+            if values is None:
+                raise ValueError("algorithm.adv_estimator=gae needs the critic's values; set "
+                                 "critic.enabled=true (or leave it null)")
+            batch.advantages, targets = gae_advantages_of(batch, values, gamma=alg.gamma,
+                                                          lam=alg.lam)
+            return targets
         if alg.adv_estimator not in ("grpo", "rloo"):
-            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r} needs a critic or "
-                             "token-level rewards, which this trainer does not run yet; use "
-                             "grpo or rloo")
+            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r} needs token-level "
+                             "rewards, which this trainer does not run yet; use grpo, rloo or "
+                             "gae")
         inputs: dict[str, Any] = {"scores": batch.scores, "response_mask": batch.response_mask(),
                                   "index": batch.group_index()}
         if alg.adv_estimator == "grpo":
             inputs["norm_adv_by_std_in_grpo"] = alg.norm_adv_by_std_in_grpo
         batch.advantages, _ = compute_advantages(alg.adv_estimator, **inputs)
+        return None
 
-    def compute_log_probs(self, batch: StepBatch, use_ref: bool = False) -> dict[str, list]:
-        """Trainer log-probs (response part) of every sample, computed over the DP ranks."""
+    def compute_log_probs(self, batch: StepBatch, use_ref: bool = False,
+                          routes: list[torch.Tensor] | None = None,
+                          record_routes: bool = False) -> dict[str, list]:
+        """Trainer log-probs (response part) of every sample, computed over the DP ranks.
+        ``routes`` (per sample, rows aligned with ``batch.sequences()``) are replayed; with
+        ``record_routes`` the result's ``routes`` are the ones the forward used."""
         w = self.workers
         sequences = batch.sequences()
         shares = even_shares(len(sequences), w.dp_size)
-        per_rank = [([sequences[i] for i in shares[w.dp_rank[r]]], use_ref)
-                    for r in range(w.actor.world_size)]
+        per_rank = [([sequences[i] for i in share], use_ref, False,
+                     None if routes is None else [routes[i] for i in share], record_routes)
+                    for share in (shares[w.dp_rank[r]] for r in range(w.actor.world_size))]
         results = w.actor.execute_rank_split("compute_log_probs", per_rank)
         full: list[list[float]] = [[] for _ in sequences]
+        used: list[torch.Tensor | None] = [None] * len(sequences)
         for rank, result in enumerate(results):
             if w.reports[rank]:
-                for i, values in zip(shares[w.dp_rank[rank]], result["log_probs"]):
-                    full[i] = values
-        return {"log_probs": [batch.response_slice(full[i], i) for i in range(len(full))]}
+                for k, i in enumerate(shares[w.dp_rank[rank]]):
+                    full[i] = result["log_probs"][k]
+                    if record_routes:
+                        used[i] = result["routes"][k]
+        out: dict[str, list] = {
+            "log_probs": [batch.response_slice(full[i], i) for i in range(len(full))]}
+        if record_routes:
+            out["routes"] = used
+        return out
 
     def compute_old_log_probs(self, batch: StepBatch) -> dict[str, float]:
-        """Old log-probs, the engine/trainer log-prob gap, and rollout correction weights."""
-        batch.old_log_probs = self.compute_log_probs(batch)["log_probs"]
-        old, mask = batch.padded(batch.old_log_probs), batch.response_mask()
-        rollout = batch.rollout_log_probs()
-        metrics = {f"training/{k}": float(v)
-                   for k, v in rollout_probs_diff_metrics(old, rollout, mask).items()}
+        """Old log-probs and the routes the update replays (R2: recorded in this forward; R3:
+        the engine's, replayed in it), the engine/trainer log-prob and routing gaps, and
+        rollout correction. In bypass mode the engine's log-probs are the old ones."""
+        mode = self.cfg.actor.router_replay.mode
+        engine = batch.engine_routes() if self.cfg.rollout.enable_return_routed_experts else None
+        if self.cfg.algorithm.rollout_correction.bypass_mode:
+            if any(s.log_probs is None for s in batch.samples):
+                raise ValueError("algorithm.rollout_correction.bypass_mode: a sample came back "
+                                 "without the engine's log-probs, which bypass mode trains on")
+            batch.old_log_probs = [list(s.log_probs) for s in batch.samples]
+            batch.loss_mask, batch.rollout_is_weights = batch.response_mask(), None
+            batch.replay_routes = engine if mode == "R3" else None
+            return {}
+        metrics: dict[str, float] = {}
+        used = own = self.compute_log_probs(batch, record_routes=engine is not None
+                                            or mode == "R2")
+        if mode == "R3":
+            used = self.compute_log_probs(batch, routes=engine, record_routes=True)
+            metrics.update(self._mismatch_metrics(batch, own, engine, suffix="_no_replay"))
+        metrics.update(self._mismatch_metrics(batch, used, engine))
+        batch.old_log_probs = used["log_probs"]
+        batch.replay_routes = used["routes"] if mode != "disabled" else None
+        metrics.update(self._rollout_correction(batch))
+        return metrics
+
+    def _mismatch_metrics(self, batch: StepBatch, forward: dict[str, list],
+                          engine: list[torch.Tensor] | None, suffix: str = "") -> dict[str, float]:
+        """``training/rollout_probs_diff{suffix}_*`` and ``rollout/moe/router_agreement{suffix}``
+        of one trainer forward against the engine's log-probs and routes."""
+        diff = rollout_probs_diff_metrics(batch.padded(forward["log_probs"]),
+                                          batch.rollout_log_probs(), batch.response_mask())
+        metrics = {f"training/{k.replace('diff_', f'diff{suffix}_')}": float(v)
+                   for k, v in diff.items()}
+        if engine is not None:
+            metrics[f"rollout/moe/router_agreement{suffix}"] = float(
+                router_agreement(engine, forward["routes"]))
+        return metrics
+
+    def _rollout_correction(self, batch: StepBatch) -> dict[str, float]:
+        """IS weights and the rejection mask between old and rollout log-probs; their
+        ``rollout_corr/*`` metrics."""
         rc = self.cfg.algorithm.rollout_correction
         weights, batch.loss_mask, corr = compute_rollout_correction(
-            old, rollout, mask, rollout_is=rc.rollout_is,
-            rollout_is_threshold=rc.rollout_is_threshold, rollout_rs=rc.rollout_rs,
+            batch.padded(batch.old_log_probs), batch.rollout_log_probs(), batch.response_mask(),
+            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+            rollout_rs=rc.rollout_rs,
             rollout_rs_threshold=(rc.rollout_rs_threshold_lower, rc.rollout_rs_threshold or 2.0))
         batch.rollout_is_weights = weights
-        if rc.rollout_is or rc.rollout_rs:
-            metrics.update({f"rollout_corr/{k}": float(v) for k, v in corr.items()
-                            if not k.startswith("rollout_probs_diff")})
-        return metrics
+        return {f"rollout_corr/{k}": float(v) for k, v in corr.items()
+                if not k.startswith("rollout_probs_diff")}
 
     def update_actor(self, batch: StepBatch) -> dict[str, float]:
         """``ppo_epochs`` passes of mini-batch updates; each mini-batch is split over DP."""
@@ -293,11 +451,22 @@ class Trainer:
         return reduce_metrics(results[0])
 
     def sync_weights(self) -> dict[str, float]:
-        """Stream the actor's weights to every engine; bump ``weight_version``."""
+        """Stream the actor's weights to every engine; bump ``weight_version``. Engines that
+        died since the last sync (their requests went to the others) are restarted first, get
+        the weights with the rest, and take requests again once they report this version."""
+        client = self.workers.client
         self.weight_version += 1
-        sent = self.workers.weight_sync(str(self.weight_version))
+        version = str(self.weight_version)
+        down = self.on_driver(lambda: sorted(client.down))
+        sent = self.workers.weight_sync(version, down)
+        for engine in down:
+            self.on_driver(lambda e=engine: self.run(client.readmit(e, version)))
+        stats = self.on_driver(lambda: client.stats)
         return {"checkpoint_engine/bytes": float(sent),
-                "rollout/weight_version": float(self.weight_version)}
+                "rollout/weight_version": float(self.weight_version),
+                "rollout/engine_restarts": float(len(down)),
+                "rollout/engine_failures": float(stats.engine_failures),
+                "rollout/failovers": float(stats.failovers)}
 
     def batch_metrics(self, batch: StepBatch, metrics: dict[str, float]) -> dict[str, float]:
         """Response lengths, score and advantage statistics, throughput."""
@@ -375,10 +544,15 @@ def train_main(argv: list[str]) -> int:
         from megarl.cluster import init_naive
 
         init_naive(timeout_s=cfg.trainer.phase_timeout_s)
+    from megarl.data.dataset import DatasetError
+
     trainer = Trainer(cfg, sources)
     try:
         trainer.setup()
         trainer.fit()
+    except DatasetError as err:  # bad input data: one line, nothing written
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     finally:
         trainer.close()
     return 0

@@ -23,6 +23,7 @@ from megarl.megatron.update import LossSettings
 from megarl.megatron.worker import DTYPES, ActorSpec, ActorWorker
 from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker
 from megarl.rollout.sglang import SGLangClient
+from megarl.trainer_critic import CriticWorkers, start_critic
 
 
 @dataclass
@@ -41,6 +42,8 @@ class Workers:
     weight_sync: Callable[[str], int]
     """Push the actor's weights to every engine under a version string; returns bytes sent."""
     started_ray: bool = False
+    critic: CriticWorkers | None = None
+    """The value model's workers (``algorithm.adv_estimator=gae``), on the train pool."""
 
 
 def actor_spec(cfg: RunConfig) -> ActorSpec:
@@ -68,7 +71,10 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
     return ActorSpec(model_path=cfg.model.path, dtype=cfg.model.dtype, sizes=sizes, optim=optim,
                      loss=loss, with_ref=bool(cfg.ref.enabled),
                      temperature=cfg.rollout.temperature or 1.0,
-                     max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed)
+                     max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
+                     init_checkpoint=cfg.model.mcore_checkpoint,
+                     router_replay=(a.router_replay.mode != "disabled"
+                                    or bool(cfg.rollout.enable_return_routed_experts)))
 
 
 def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
@@ -80,7 +86,7 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       seed=cfg.trainer.seed, log_dir=str(log_dir),
                       gpus_per_engine=r.gpus_per_engine, mem_fraction=r.gpu_memory_utilization,
                       return_routed_experts=bool(r.enable_return_routed_experts),
-                      colocated=r.colocate)
+                      colocated=r.colocate, api_key=r.api_key)
 
 
 def plan_buckets(specs: list[tuple[str, list[int]]], dtype: str,
@@ -108,14 +114,17 @@ class _DriverHttp:
     loop, so the driver can take part in the collective they pair with (the sender's
     broadcasts run on the calling thread; under torchrun the driver is also actor rank 0)."""
 
-    def __init__(self, urls: list[str], calls: Callable[[SGLangClient], Any] | None) -> None:
+    def __init__(self, urls: list[str], calls: Callable[[SGLangClient], Any] | None,
+                 api_key: str | None = None) -> None:
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, args=(urls, calls), daemon=True)
+        self.thread = threading.Thread(target=self._main, args=(urls, calls, api_key),
+                                       daemon=True)
         self.thread.start()
 
-    def _main(self, urls: list[str], calls: Callable[[SGLangClient], Any] | None) -> None:
+    def _main(self, urls: list[str], calls: Callable[[SGLangClient], Any] | None,
+              api_key: str | None) -> None:
         async def run() -> None:
-            client = SGLangClient(urls)
+            client = SGLangClient(urls, api_key=api_key)
             try:
                 if calls is not None:
                     await calls(client)
@@ -137,22 +146,39 @@ class _DriverHttp:
             raise self.error
 
 
-def _weight_sync(cfg: RunConfig, actor: Any, urls: list[str], is_driver: bool,
-                 device: str) -> Callable[[str], int]:
-    """Open the weight-update group and return the per-step sync function."""
+def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
+                 device: str) -> Callable[..., int]:
+    """Open the weight-update group and return the per-step sync function
+    ``sync(version, restart=())``: with ``restart`` (engine indices the client marked down) it
+    first restarts those engines and re-forms the group, which a dead member breaks."""
     backend = "nccl" if device == "cuda" else "gloo"
     dtype = cfg.rollout.dtype or cfg.model.dtype
     timeout = cfg.trainer.phase_timeout_s
     world = 1 + len(urls)
     buckets = plan_buckets(actor.execute_all("weight_specs")[0], dtype,
                            cfg.checkpoint_engine.bucket_size_mb)
-    address, port = actor.execute_all("weight_group_address")[0]
-    join_group = _DriverHttp(urls, (lambda c: c.init_weights_update_group(
-        address, port, world, backend=backend)) if is_driver else None)
-    actor.execute_all("open_weight_group", address, port, world, backend)
-    join_group.join(timeout, "open the weight-update group")
 
-    def sync(version: str) -> int:
+    def open_group(members: list[str]) -> None:
+        address, port = actor.execute_all("weight_group_address")[0]
+        join_group = _DriverHttp(members, (lambda c: c.init_weights_update_group(
+            address, port, world, backend=backend)) if is_driver else None, cfg.rollout.api_key)
+        actor.execute_all("open_weight_group", address, port, world, backend)
+        join_group.join(timeout, "open the weight-update group")
+
+    def reform(restart: list[int]) -> None:
+        survivors = [u for i, u in enumerate(urls) if i not in restart]
+        rollout.execute_all("restart", [urls[i] for i in restart], timeout)
+        leave = _DriverHttp(survivors, (lambda c: c.destroy_weights_update_group())
+                            if is_driver else None, cfg.rollout.api_key)
+        leave.join(timeout, "leave the broken weight-update group")
+        actor.execute_all("close_weight_group")
+        open_group(urls)
+
+    open_group(urls)
+
+    def sync(version: str, restart: list[int] | tuple[int, ...] = ()) -> int:
+        if restart:
+            reform(list(restart))
         async def receive(client: SGLangClient) -> None:
             for k, bucket in enumerate(buckets):
                 last = k == len(buckets) - 1
@@ -160,7 +186,7 @@ def _weight_sync(cfg: RunConfig, actor: Any, urls: list[str], is_driver: bool,
                     [n for n, _ in bucket], [dtype] * len(bucket), [s for _, s in bucket],
                     weight_version=version if last else None, flush_cache=last)
 
-        receiving = _DriverHttp(urls, receive if is_driver else None)
+        receiving = _DriverHttp(urls, receive if is_driver else None, cfg.rollout.api_key)
         sent = actor.execute_all("broadcast_weights", dtype)[0]
         receiving.join(timeout, "sync_weights")
         return int(sent)
@@ -178,7 +204,9 @@ def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
     runtime = init_ray(cfg.ray.address, cfg.ray.num_cpus)
     device = resolve_device(cfg.resources.device)
     colocate = cfg.rollout.colocate
-    pools = create_pools(cfg.resources, colocate=colocate, max_colocate_count=2 if colocate else 1)
+    # groups sharing a train-pool slot: the actor, the critic, colocated engines
+    groups = 1 + int(bool(cfg.critic.enabled)) + int(colocate)
+    pools = create_pools(cfg.resources, colocate=colocate, max_colocate_count=groups)
     log_dir = output_dir / "logs"
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if device == "cpu" else {}
     timeout = cfg.trainer.phase_timeout_s
@@ -188,17 +216,22 @@ def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
     rollout = RayWorkerGroup(RolloutServerWorker, pools["rollout_pool"], "rollout",
                              log_dir=log_dir, args=(engine_spec(cfg, log_dir),), env=env,
                              echo_logs=False, call_timeout_s=timeout)
+    critic = (start_critic(cfg, pool=pools["train_pool"], log_dir=log_dir, env=env)
+              if cfg.critic.enabled else None)
     urls = [u for u in rollout.execute_all("wait_ready") if u]
-    return _assemble(cfg, actor, rollout, urls, True, device, rollout.world_size,
-                     runtime.started_here)
+    workers = _assemble(cfg, actor, rollout, urls, True, device, rollout.world_size,
+                        runtime.started_here)
+    workers.critic = critic
+    return workers
 
 
 def _assemble(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
               device: str, num_rollout_gpus: int, started_ray: bool) -> Workers:
     layouts = actor.execute_all("layout")
-    sync = _weight_sync(cfg, actor, urls, is_driver, device)
+    sync = _weight_sync(cfg, actor, rollout, urls, is_driver, device)
     return Workers(actor=actor, rollout=rollout,
-                   client=SGLangClient(urls, timeout_s=cfg.trainer.phase_timeout_s),
+                   client=SGLangClient(urls, timeout_s=cfg.trainer.phase_timeout_s,
+                                       api_key=cfg.rollout.api_key),
                    dp_size=layouts[0]["dp_size"], dp_rank=[x["dp_rank"] for x in layouts],
                    reports=[bool(x["reports"]) for x in layouts],
                    num_rollout_gpus=num_rollout_gpus, weight_sync=sync, started_ray=started_ray)
@@ -224,7 +257,7 @@ def build_naive_workers(cfg: RunConfig, output_dir: Path) -> Workers:
     if ctx.rank == 0:
         servers = launch_local_engines(
             cfg.model.path, num_engines, host=spec.host, device=ctx.device,
-            num_threads=spec.num_threads, log_dir=spec.log_dir,
+            num_threads=spec.num_threads, log_dir=spec.log_dir, api_key=spec.api_key,
             extra_args=["--dtype", spec.dtype, "--random-seed", str(spec.seed)])
     box = [[s.url for s in servers]]
     dist.broadcast_object_list(box, src=0)
@@ -232,6 +265,7 @@ def build_naive_workers(cfg: RunConfig, output_dir: Path) -> Workers:
                              call_timeout_s=cfg.trainer.phase_timeout_s)
     workers = _assemble(cfg, actor, _LocalServers(servers), box[0], ctx.rank == 0, ctx.device,
                         num_engines, False)
+    workers.critic = start_critic(cfg) if cfg.critic.enabled else None
     return workers
 
 
@@ -241,12 +275,20 @@ class _LocalServers:
     def __init__(self, servers: list[Any]) -> None:
         self.servers = servers
 
-    def execute_all(self, method: str) -> list[None]:
-        """Only ``stop`` is needed: stop every server this rank started."""
-        assert method == "stop", method
-        for server in self.servers:
-            server.stop()
-        return [None]
+    def execute_all(self, method: str, *args: Any) -> list[Any]:
+        """``stop`` every server this rank started, or ``restart(urls, timeout_s)`` those whose
+        URL is listed (waiting until they are healthy)."""
+        if method == "stop":
+            for server in self.servers:
+                server.stop()
+            return [None]
+        assert method == "restart", method
+        urls, timeout_s = args
+        restarted = [s for s in self.servers if s.url in urls]
+        for server in restarted:
+            server.restart(stop_timeout_s=5.0)
+            server.wait_ready(timeout_s)
+        return [bool(restarted)]
 
     def shutdown(self) -> None:
         """Nothing beyond ``stop``."""
@@ -260,6 +302,8 @@ def shutdown_workers(workers: Workers, loop: asyncio.AbstractEventLoop) -> None:
     finally:
         workers.rollout.shutdown()
         workers.actor.shutdown()
+        if workers.critic is not None:
+            workers.critic.group.shutdown()
         if workers.started_ray:
             import ray
 

@@ -91,7 +91,8 @@ def init_ray(
     on_existing: OnExisting = "attach",
     namespace: str = "megarl",
 ) -> RayRuntime:
-    """Join the cluster at ``address``, attach to a local Ray (the newest), or start one.
+    """Join the cluster at ``address``, attach to a local Ray (the newest), or start one;
+    ``address="local"`` always starts a new private instance.
 
     ``num_cpus`` limits a newly started local instance (default: ``SLURM_CPUS_ON_NODE`` when set,
     else Ray's own detection); it cannot change a cluster being joined. Idempotent within a
@@ -102,6 +103,8 @@ def init_ray(
     if ray.is_initialized():
         return _runtime(started_here=False)
     address = address or os.environ.get("RAY_ADDRESS") or None
+    if address == "local":
+        on_existing, address = "start", None
     if address is not None:
         _warn_ignored_num_cpus(num_cpus, f"ray.address={address!r}")
         _join(address, namespace, reason=f"ray.address={address!r}")

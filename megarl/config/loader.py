@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
+from megarl.config.render import is_secret_key
 from megarl.config.schema import DERIVED_FIELDS, RunConfig
 
 Sources = dict[str, str]
@@ -234,11 +235,13 @@ def _field_line(path: str, errs: list[Mapping[str, Any]], origin: str) -> str:
         default is not None and not isinstance(default, (BaseModel, dict))) else ""
     example = example.removesuffix("\n...")
     kind = first["type"]
+    given = "'***' (a secret, not shown)" if is_secret_key(path.rpartition(".")[2]) else (
+        repr(first["input"]))
     if kind == "missing":
         return f"{path}: required but not set — add it to the YAML file or pass {path}=VALUE"
     bound = _bound(first)
     if bound is not None:
-        return (f"{path}: {first['input']!r}{where} is out of range, it must be {bound} — "
+        return (f"{path}: {given}{where} is out of range, it must be {bound} — "
                 f"use a value {bound}{example}")
     if kind == "value_error":
         reason = str((first.get("ctx") or {}).get("error", first["msg"]))
@@ -247,7 +250,7 @@ def _field_line(path: str, errs: list[Mapping[str, Any]], origin: str) -> str:
         return f"{path}: {first['msg'].lower()}{where} — give the right number of items{example}"
     expected = " or ".join(dict.fromkeys(_expected(e) for e in errs))
     hint = "".join(_literal_hint(e) for e in errs if e["type"] == "literal_error")
-    return (f"{path}: {first['input']!r}{where} is not {expected}{hint} — "
+    return (f"{path}: {given}{where} is not {expected}{hint} — "
             f"use {expected}{example}")
 
 

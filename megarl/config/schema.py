@@ -56,9 +56,13 @@ class RolloutConfig(Section):
         "engines return the routed experts of every token (needed by R3); null = on when "
         "`actor.router_replay.mode` is R3"))
     dtype: Dtype | None = Field(None, description="engine weight dtype; null = `model.dtype`")
-    api_key: str | None = Field(None, description=(
-        "API key the engines require on their HTTP endpoints; null = none"))
-    host: str = Field("127.0.0.1", description="interface the engine HTTP servers bind to")
+    api_key: str | None = Field(None, repr=False, description=(
+        "key every HTTP endpoint of the engines requires (`Authorization: Bearer <key>`), "
+        "weight updates and control included; required when `host` is not a loopback "
+        "address; null = none. Never logged; the saved config.yaml holds null in its place"))
+    host: str = Field("127.0.0.1", description=(
+        "interface the engine HTTP servers bind to; anything but a loopback address (e.g. "
+        "0.0.0.0 for engines on other nodes) needs `api_key`"))
 
 
 class CheckpointEngineConfig(Section):
@@ -135,18 +139,27 @@ class SchedulerConfig(Section):
     mode: Literal["colocate_sync", "one_step_off", "fully_async"] = Field(
         "colocate_sync", description=(
             "colocate_sync = generate then train; one_step_off = train step k while generating "
-            "k+1 (separate pools); fully_async = streaming queue (separate pools)"))
+            "k+1 (separate pools, staleness <= 1); fully_async = engines generate continuously "
+            "into a bounded queue that the trainer consumes (separate pools)"))
     staleness_threshold: float = Field(0.1, ge=0, description=(
-        "fully_async: fraction of extra samples the rollout may generate with older weights per "
-        "sync interval (verl's meaning)"))
+        "fully_async: how far generation may run ahead of training, in weight pushes: at most "
+        "(1 + threshold) x the groups consumed per push are generated per push (verl's "
+        "fraction of extra samples), and a consumed sample is at most ceil(threshold) pushes "
+        "old (older ones are dropped, counted in fully_async/count/stale_dropped, and "
+        "regenerated); 0 with trigger_parameter_sync_step=1 = on-policy, equal to "
+        "colocate_sync"))
     trigger_parameter_sync_step: int = Field(4, ge=1, description=(
-        "fully_async: optimizer updates between two weight pushes to the engines"))
+        "fully_async: trainer steps (each consumes data.train_batch_size prompts' groups; set "
+        "it equal to actor.ppo_mini_batch_size for one optimizer update per step) between two "
+        "weight pushes to the engines"))
     partial_rollout: bool = Field(True, description=(
-        "fully_async: pause in-flight requests at a weight sync and resume them with the new "
-        "weights instead of discarding them"))
+        "fully_async: at a weight push, pause in-flight requests (their tokens so far are "
+        "kept) and continue them under the new weights, recording each token's weight version; "
+        "false = stop starting requests and let those in flight finish before the push"))
     max_queue_length: int | None = Field(None, ge=1, description=(
-        "fully_async: most samples waiting for the trainer; null = derived from the staleness "
-        "bound"))
+        "fully_async: most samples queued or being generated ahead of the trainer; null = what "
+        "the staleness bound allows, floor((1 + staleness_threshold) x "
+        "trigger_parameter_sync_step x data.train_batch_size) x rollout.n"))
 
 
 class PoolConfig(Section):
@@ -181,9 +194,13 @@ class TrainerConfig(Section):
     total_steps: int = Field(100, ge=1, description="RL steps to run")
     output_dir: str = Field("outputs/run", description=(
         "directory of checkpoints, logs and the saved resolved config"))
-    save_every: int = Field(0, ge=0, description="checkpoint every N steps; 0 = only at the end")
+    save_every: int = Field(0, ge=0, description=(
+        "checkpoint (actor model + optimizer + RNG, data position, step) every N steps and at "
+        "the last step, under `output_dir/checkpoints`; 0 = only at the last step (none at all "
+        "with `resume=never`)"))
     resume: str = Field("auto", description=(
-        "auto = the latest checkpoint in output_dir if any; never; or a checkpoint directory"))
+        "auto = continue from the latest checkpoint under output_dir/checkpoints if any; never "
+        "= start over; or a checkpoint directory"))
     keep_last: int | None = Field(None, ge=1, description=(
         "checkpoints kept on disk; null = all"))
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
@@ -231,7 +248,8 @@ class RayConfig(Section):
     """How the driver joins or starts Ray."""
 
     address: str | None = Field(None, description=(
-        "null = start a local Ray instance; 'auto' or host:port = attach to a running cluster"))
+        "null = attach to the Ray instance running on this node, else start one; 'local' = "
+        "always start a private instance; 'auto' or host:port = attach to a running cluster"))
     num_cpus: int | None = Field(None, ge=1, description=(
         "CPUs Ray may use on this node (set from the Slurm allocation); null = Ray's detection"))
     timeline_file: str | None = Field(None, description=(

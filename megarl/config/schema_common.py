@@ -3,9 +3,13 @@ parallel layout, optimizer and offload blocks that the actor, reference and crit
 
 from __future__ import annotations
 
-from typing import Literal
+import ipaddress
+import types
+import typing
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic_core import PydanticCustomError
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 
@@ -14,6 +18,29 @@ class Section(BaseModel):
     """Base of every config section: unknown keys are rejected, defaults are validated too."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse ``true``/``false`` where a number is expected (pydantic would read 1 or 0)."""
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = scalar_kinds(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                kind = "int_type" if int in kinds else "float_type"
+                raise PydanticCustomError(kind, "Input should be a number, not true/false")
+        return value
+
+
+def scalar_kinds(annotation: Any) -> set[type]:
+    """The scalar types a field annotation admits (through unions, Optional and Literal)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return set().union(*(scalar_kinds(arg) for arg in typing.get_args(annotation)))
+    if origin is Literal:
+        return {type(arg) for arg in typing.get_args(annotation)}
+    if origin is typing.Annotated:
+        return scalar_kinds(typing.get_args(annotation)[0])
+    return {annotation} if isinstance(annotation, type) else set()
 
 
 class ParallelConfig(Section):
@@ -73,3 +100,13 @@ class OffloadConfig(Section):
         "keep gradient buffers in host memory while the role is idle"))
     optimizer_offload: bool = Field(False, description=(
         "keep optimizer states in host memory while the role is idle"))
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether binding ``host`` keeps a server reachable from this machine only."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -32,6 +32,11 @@ class ModelConfig(Section):
         "training parameter dtype (Megatron keeps fp32 master weights in the optimizer)"))
     trust_remote_code: bool = Field(False, description=(
         "allow custom modelling code shipped with the model (HF `trust_remote_code`)"))
+    mcore_checkpoint: str | None = Field(None, description=(
+        "megatron dist checkpoint to take the actor's (and reference's) first weights from "
+        "instead of the safetensors in `path` (written by `megarl-convert hf-to-mcore` or a "
+        "megarl training checkpoint; any TP/PP/EP layout); `path` still gives config and "
+        "tokenizer"))
 
 
 class DataConfig(Section):

@@ -27,6 +27,7 @@ from megarl.config.estimates import check_memory_fits
 from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info, weight_files
 from megarl.config.problems import Context, Problem, error, warning
 from megarl.config.schema import RunConfig
+from megarl.config.schema_common import is_loopback_host
 from megarl.config.validate_layout import LAYOUT_RULES, Rule
 
 # ---------------------------------------------------------------------------------------------
@@ -207,9 +208,11 @@ def check_data_files(ctx: Context) -> Iterator[Problem]:
 
 
 def check_other_paths(ctx: Context) -> Iterator[Problem]:
-    """Tokenizer, critic start point and resume directory exist when given explicitly."""
+    """Tokenizer, dist checkpoint, critic start point and resume directory exist when given
+    explicitly."""
     cfg = ctx.cfg
-    candidates = [("model.tokenizer_path", cfg.model.tokenizer_path)]
+    candidates = [("model.tokenizer_path", cfg.model.tokenizer_path),
+                  ("model.mcore_checkpoint", cfg.model.mcore_checkpoint)]
     if cfg.critic.enabled:
         candidates.append(("critic.model_path", cfg.critic.model_path))
     if cfg.trainer.resume not in ("auto", "never"):
@@ -240,12 +243,25 @@ def check_pools_and_colocation(ctx: Context) -> Iterator[Problem]:
 
 
 def check_scheduler_needs_separate_pools(ctx: Context) -> Iterator[Problem]:
-    """one_step_off and fully_async overlap rollout with training, so they need two pools."""
-    mode = ctx.cfg.scheduler.mode
-    if mode != "colocate_sync" and ctx.cfg.rollout.colocate:
+    """one_step_off and fully_async overlap rollout with training, so they need two pools and
+    Ray; fully_async's queue must hold at least one step."""
+    cfg = ctx.cfg
+    mode, sched = cfg.scheduler.mode, cfg.scheduler
+    if mode != "colocate_sync" and cfg.rollout.colocate:
         yield error(("scheduler.mode", "rollout.colocate"), f"{mode} overlaps generation with "
                     "training, which needs engines on their own GPUs", "set rollout.colocate=false "
                     "with a resources.rollout_pool, or scheduler.mode=colocate_sync")
+    if mode != "colocate_sync" and cfg.trainer.worker_group == "naive":
+        yield error(("scheduler.mode", "trainer.worker_group"), f"{mode} generates on a "
+                    "background thread next to Ray workers; the no-Ray mode runs colocate_sync "
+                    "only", "set trainer.worker_group=ray or scheduler.mode=colocate_sync")
+    step = cfg.data.train_batch_size * cfg.rollout.n
+    if mode == "fully_async" and sched.max_queue_length is not None and (
+            sched.max_queue_length < step):
+        yield error(("scheduler.max_queue_length", "data.train_batch_size", "rollout.n"),
+                    f"the queue holds {sched.max_queue_length} samples but a step consumes "
+                    f"{step}, so the trainer would wait forever",
+                    f"set scheduler.max_queue_length >= {step}, or null")
 
 
 def check_weight_sync_backend(ctx: Context) -> Iterator[Problem]:
@@ -258,6 +274,18 @@ def check_weight_sync_backend(ctx: Context) -> Iterator[Problem]:
     if backend == "nixl" and not any(importlib.util.find_spec(m) for m in ("nixl", "nixl_cu12")):
         yield error("checkpoint_engine.backend", "the NIXL package is not installed",
                     "pip install nixl-cu12, or use checkpoint_engine.backend=nccl")
+
+
+def check_rollout_bind_needs_api_key(ctx: Context) -> Iterator[Problem]:
+    """Engines reachable beyond this machine must require an API key: their weight-update
+    endpoints replace the model (and ``update_weights_from_tensor`` unpickles its input)."""
+    rollout = ctx.cfg.rollout
+    if not is_loopback_host(rollout.host) and not rollout.api_key:
+        yield error(("rollout.host", "rollout.api_key"),
+                    f"host {rollout.host} opens the engines' generation, control and "
+                    "weight-update endpoints to the network without an API key",
+                    "set rollout.api_key (e.g. from a secret: rollout.api_key=$KEY) or "
+                    "rollout.host=127.0.0.1")
 
 
 def check_device_settings(ctx: Context) -> Iterator[Problem]:
@@ -477,7 +505,8 @@ RULES: tuple[Rule, ...] = (
     check_critic_batch_split,
     *LAYOUT_RULES,
     check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
-    check_device_settings, check_offload_param_and_optimizer, check_group_size,
+    check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
+    check_group_size,
     check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,

@@ -38,6 +38,9 @@ def check_data_files(paths: str | Path | Sequence[str | Path]) -> list[Path]:
     checked = []
     for raw in paths:
         path = Path(raw)
+        if path.is_dir():
+            raise DatasetError(f"{path}: is a directory; list its .parquet / .jsonl files in "
+                               "data.*_files")
         if path.suffix not in SUPPORTED_EXTENSIONS:
             raise DatasetError(
                 f"{path}: unsupported extension {path.suffix!r}; "
@@ -128,6 +131,10 @@ def parse_row(row: dict[str, Any], where: str, prompt_key: str = "prompt") -> di
     if prompt_key not in row:
         raise _missing_key(where, prompt_key, row,
                            "set data.prompt_key to the column that holds the chat messages")
+    if row[prompt_key] is None:
+        raise DatasetError(f"{where}: {prompt_key} is null (in parquet, a row written without "
+                           f"the key reads as null); give every row a {prompt_key} or drop the "
+                           "row")
     if not isinstance(row.get("data_source"), str):
         raise _missing_key(where, "data_source", row,
                            "every row needs a string data_source naming its reward function")

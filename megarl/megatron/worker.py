@@ -4,11 +4,14 @@ Each worker joins the train pool's ``torch.distributed`` group, builds its shard
 actor (and of the reference model when a KL term needs one) from the HF directory, and serves the
 trainer's calls: log-probs of sequences, PPO updates on mini-batches, and streaming the updated
 weights to the rollout engines. Data travels as plain Python lists so it crosses Ray cheaply;
-the trainer gives every rank of one data-parallel group the same share.
+MoE routes (router replay) as ragged int16 tensors ``[L_i, moe_layers, top_k]``, per sequence.
+The trainer gives every rank of one data-parallel group the same share.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +20,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from megarl.cluster.worker import Worker
+from megarl.megatron.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from megarl.megatron.logprobs import compute_log_probs
 from megarl.megatron.model import ActorModel, build_actor_model
 from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
 from megarl.megatron.parallel import ParallelSizes
+from megarl.megatron.router_replay import ROUTER_REPLAY_OVERRIDES, RouteRecording
+from megarl.megatron.router_replay import record_routes as record_routes_of
+from megarl.megatron.router_replay import replay_routes as replay_routes_in
 from megarl.megatron.update import LossSettings, TrainSequence, train_step
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -39,10 +46,34 @@ class ActorSpec:
     temperature: float
     max_tokens_per_micro_batch: int | None
     seed: int
+    init_checkpoint: str | None = None
+    """A dist checkpoint with the first weights (``model.mcore_checkpoint``); None = the HF
+    safetensors."""
+    router_replay: bool = False
+    """Build the actor's MoE routers able to record and replay routes (router replay R2/R3,
+    or measuring how often the trainer routes like the rollout engine)."""
 
 
 def _as_tensor(values: list[float] | None) -> torch.Tensor | None:
     return None if values is None else torch.tensor(values, dtype=torch.float32)
+
+
+def _first_of_group() -> bool:
+    """Whether this rank reports results for its data-parallel group (TP, PP and CP rank 0)."""
+    return (mpu.get_tensor_model_parallel_rank() == 0
+            and mpu.get_pipeline_model_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0)
+
+
+def _replayed_routes(mini_batch: list[dict[str, Any]]) -> list[torch.Tensor] | None:
+    """The ``routes`` of a mini-batch's records: None when none has any, else all of them."""
+    routes = [s.get("routes") for s in mini_batch]
+    if all(r is None for r in routes):
+        return None
+    if any(r is None for r in routes):
+        raise ValueError("update: some sequences of a mini-batch carry routes and some do not; "
+                         "router replay needs the routes of every sequence")
+    return routes
 
 
 class ActorWorker(Worker):
@@ -53,41 +84,81 @@ class ActorWorker(Worker):
         torch.manual_seed(spec.seed)
         self.spec = spec
         dtype = DTYPES[spec.dtype]
-        model = build_actor_model(spec.model_path, spec.sizes, dtype, seed=spec.seed)
+        model = self._build_model(dtype, router_replay=spec.router_replay)
         self.actor = TrainableActor(model, spec.optim)
         self.ref: ActorModel | None = None
         if spec.with_ref:
-            self.ref = build_actor_model(spec.model_path, spec.sizes, dtype, seed=spec.seed)
+            self.ref = self._build_model(dtype)
         self.weight_group: dist.ProcessGroup | None = None
+
+    def _build_model(self, dtype: torch.dtype, router_replay: bool = False) -> ActorModel:
+        """This rank's model chunks with the first weights (HF safetensors or dist checkpoint);
+        with ``router_replay``, routers that can record and replay routes."""
+        spec = self.spec
+        model = build_actor_model(spec.model_path, spec.sizes, dtype, seed=spec.seed,
+                                  load_weights=spec.init_checkpoint is None,
+                                  config_overrides=ROUTER_REPLAY_OVERRIDES if router_replay
+                                  else None)
+        if spec.init_checkpoint is not None:
+            load_model_weights(spec.init_checkpoint, model)
+        return model
 
     def layout(self) -> dict[str, int]:
         """This rank's data-parallel coordinates and whether it reports results for its group."""
-        first_of_group = (mpu.get_tensor_model_parallel_rank() == 0
-                          and mpu.get_pipeline_model_parallel_rank() == 0
-                          and mpu.get_context_parallel_rank() == 0)
         return {"dp_rank": mpu.get_data_parallel_rank(), "dp_size": mpu.get_data_parallel_world_size(),
-                "reports": int(first_of_group)}
+                "reports": int(_first_of_group())}
 
     def compute_log_probs(self, sequences: list[list[int]], use_ref: bool = False,
-                          with_entropy: bool = False) -> dict[str, list[list[float]]]:
-        """Log-probs (and entropy) of every token of this rank's sequences (entry 0 is 0)."""
+                          with_entropy: bool = False, routes: list[torch.Tensor] | None = None,
+                          record_routes: bool = False) -> dict[str, list]:
+        """Log-probs (and entropy) of every token of this rank's sequences (entry 0 is 0).
+
+        ``routes`` (per sequence ``[L_i or L_i - 1, moe_layers, top_k]``, -1 rows native) are
+        replayed in the forward; with ``record_routes`` the result's ``routes`` hold the int16
+        routes the forward used, per sequence ``[L_i, moe_layers, top_k]``.
+        """
         model = self.ref if use_ref else self.actor.model
         assert model is not None, "reference model requested but not built"
+        tokens = [torch.tensor(s, dtype=torch.long) for s in sequences]
         for chunk in model.chunks:
             chunk.eval()
-        with torch.no_grad():
+        with self._routing(model, tokens, routes, record_routes) as recording, torch.no_grad():
             out = compute_log_probs(
-                model, [torch.tensor(s, dtype=torch.long) for s in sequences],
-                temperature=self.spec.temperature, with_entropy=with_entropy,
+                model, tokens, temperature=self.spec.temperature, with_entropy=with_entropy,
                 max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
-        result = {"log_probs": [lp.float().tolist() for lp in out.log_probs]}
+        result: dict[str, list] = {"log_probs": [lp.float().tolist() for lp in out.log_probs]}
         if with_entropy and out.entropy is not None:
             result["entropy"] = [e.float().tolist() for e in out.entropy]
+        if record_routes:  # only the reporting ranks send routes back (they are large)
+            result["routes"] = recording.routes if _first_of_group() else []
         return result
 
+    @contextlib.contextmanager
+    def _routing(self, model: ActorModel, tokens: list[torch.Tensor],
+                 routes: list[torch.Tensor] | None, record: bool) -> Iterator[RouteRecording]:
+        """Replay ``routes`` and/or record the routes of the one forward run in the block."""
+        budget = self.spec.max_tokens_per_micro_batch
+        if routes is not None:
+            with replay_routes_in(model, tokens, routes, max_tokens_per_micro_batch=budget,
+                                  record=record) as recording:
+                yield recording
+        elif record:
+            with record_routes_of(model, tokens, max_tokens_per_micro_batch=budget) as recording:
+                yield recording
+        else:
+            yield RouteRecording()
+
     def update(self, mini_batches: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
-        """One optimizer step per mini-batch of this rank's sequences; metrics per step."""
-        metrics = []
+        """One optimizer step per mini-batch of this rank's sequences; metrics per step.
+        Sequences that carry ``routes`` are routed with them (router replay)."""
+        return self.update_recording_routes(mini_batches, record_routes=False)[0]
+
+    def update_recording_routes(
+        self, mini_batches: list[list[dict[str, Any]]], record_routes: bool = True
+    ) -> tuple[list[dict[str, float]], list[list[torch.Tensor]]]:
+        """As :meth:`update`; also returns, per mini-batch, the int16 routes each sequence's
+        update forward used (``[L_i, moe_layers, top_k]``; empty lists unless recorded)."""
+        metrics, used = [], []
         for mini_batch in mini_batches:
             sequences = [
                 TrainSequence(
@@ -100,11 +171,28 @@ class ActorWorker(Worker):
                 )
                 for s in mini_batch
             ]
-            metrics.append(train_step(
-                self.actor, sequences, self.spec.loss,
-                max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
-                temperature=self.spec.temperature))
-        return metrics
+            with self._routing(self.actor.model, [s.tokens for s in sequences],
+                               _replayed_routes(mini_batch), record_routes) as recording:
+                metrics.append(train_step(
+                    self.actor, sequences, self.spec.loss,
+                    max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
+                    temperature=self.spec.temperature))
+            used.append(recording.routes)
+        return metrics, used
+
+    def save_checkpoint(self, root: str, step: int, extra: dict[str, Any],
+                        keep_last: int | None) -> str:
+        """Save model, optimizer, LR schedule and RNG states of every rank at ``step`` under
+        ``root`` (atomic, ``latest`` updated last); collective. Returns the directory."""
+        return str(save_checkpoint(root, self.actor, step, extra=extra, keep_last=keep_last))
+
+    def load_checkpoint(self, path: str) -> dict[str, Any]:
+        """Restore the actor from a checkpoint (a directory or a root's latest); collective.
+        The reference model keeps its initial weights. Returns the step and ``extra``."""
+        loaded = load_checkpoint(path, self.actor)
+        return {"path": str(loaded.path), "step": loaded.step, "extra": loaded.extra,
+                "optimizer_restored": loaded.optimizer_restored,
+                "rng_restored": loaded.rng_restored}
 
     def _export(self):
         return self.actor.model.bridge.export_weights(self.actor.model.chunks)
@@ -128,6 +216,14 @@ class ActorWorker(Worker):
 
         self.weight_group = open_weight_update_group(
             master_address, master_port, rank=0, world_size=world_size, backend=backend)
+
+    def close_weight_group(self) -> None:
+        """Leave the weight-update group (before it is re-formed after an engine restart)."""
+        if self.weight_group is not None:
+            from megarl.rollout.weight_group import close_weight_update_group
+
+            close_weight_update_group(self.weight_group)
+            self.weight_group = None
 
     def broadcast_weights(self, dtype: str) -> int:
         """Export HF-named tensors (collective over the train pool) and broadcast each one from

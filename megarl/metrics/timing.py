@@ -19,6 +19,8 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 
+from megarl.faults import crash_point
+
 # ---------------------------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------------------------
@@ -29,8 +31,10 @@ def timer(name: str, metrics: dict[str, float]) -> Iterator[None]:
     """Add the seconds spent in the block to ``metrics["timing/<name>"]``.
 
     Time adds up when a phase is timed several times in one step (e.g. one block per
-    mini-batch); the value is written even when the block raises.
+    mini-batch); the value is written even when the block raises. A phase is also a point where
+    the recovery tests can crash the process (:mod:`megarl.faults`).
     """
+    crash_point(name)
     start = time.perf_counter()
     try:
         yield

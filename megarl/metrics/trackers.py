@@ -24,13 +24,14 @@ import json
 import logging
 import math
 import os
-import re
 import sys
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, Self, TextIO, runtime_checkable
+
+from megarl.config.render import redact_secrets
 
 logger = logging.getLogger(__name__)
 
@@ -267,25 +268,6 @@ class TensorboardTracker:
 # ---------------------------------------------------------------------------------------------
 # Weights & Biases
 # ---------------------------------------------------------------------------------------------
-
-# Keys whose values are masked: ``api_key``, ``hf_token``, ``secret``, ``db_password``, ... (the
-# last word of the key decides, so ``max_tokens`` or ``tokenizer_path`` stay visible).
-_SECRET_KEY = re.compile(r"(^|[_.-])(api_?key|access_?key|secret(_?key)?|token|password|passwd|"
-                         r"credentials?|auth)$", re.IGNORECASE)
-_URL_CREDENTIALS = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/@\s]+@")
-
-
-def redact_secrets(value: Any) -> Any:
-    """``value`` with credential-like keys masked and ``user:pass@`` removed from URLs."""
-    if isinstance(value, Mapping):
-        return {k: "***" if isinstance(k, str) and _SECRET_KEY.search(k) and v
-                else redact_secrets(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(redact_secrets(v) for v in value)
-    if isinstance(value, str):
-        return _URL_CREDENTIALS.sub(r"\g<scheme>***@", value)
-    return value
-
 
 def wandb_proxy_settings(proxy: str | None) -> dict[str, str]:
     """The ``wandb.Settings`` fields that route W&B's own traffic (and only it) through ``proxy``."""

@@ -173,6 +173,10 @@ class RolloutSample:
     matched_stop: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     """Other ``meta_info`` fields of the engine's answer (latency, cached tokens, ...)."""
+    token_weight_versions: list[str] | None = None
+    """Per response token, the weight version that generated it, for a partial rollout that
+    was resumed under newer weights (:mod:`megarl.scheduler.partial`); None = every token
+    comes from ``weight_version``."""
 
     def response_routed_experts(self) -> torch.Tensor | None:
         """``[len(response), moe_layers, top_k]``: the routes of the forward step that produced

@@ -106,6 +106,8 @@ CASES = [
      "check the path", "error"),
     ("check_other_paths", ["trainer.resume=/nonexistent/ckpt"], None, ["trainer.resume"],
      "check the path", "error"),
+    ("check_other_paths", ["model.mcore_checkpoint=/nonexistent/mcore"], None,
+     ["model.mcore_checkpoint"], "check the path", "error"),
     # pools, schedulers, transports, devices
     ("check_pools_and_colocation", ["resources.rollout_pool.gpus_per_node=8"], None,
      ["rollout.colocate", "resources.rollout_pool"], "rollout.colocate=false", "error"),
@@ -159,6 +161,9 @@ CASES = [
      ["actor.ppo_max_token_len_per_gpu"], "set actor.use_dynamic_bsz=true to use it", "warning"),
     ("check_settings_without_effect", ["scheduler.staleness_threshold=0.5"], None,
      ["scheduler.staleness_threshold"], "scheduler.mode=fully_async", "warning"),
+    # security: engines reachable from the network need an API key
+    ("check_rollout_bind_needs_api_key", ["rollout.host=0.0.0.0"], None,
+     ["rollout.host", "rollout.api_key"], "set rollout.api_key", "error"),
     # T1: memory per GPU (estimates.py; numbers in test_config_estimates.py)
     ("check_memory_fits", ["resources.gpu_memory_gb=16"], None,
      ["resources.gpu_memory_gb", "actor.parallel.ep"], "add GPUs to the train pool", "warning"),

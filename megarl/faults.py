@@ -1,0 +1,57 @@
+"""Deliberate crashes at named points of a run, for the recovery tests.
+
+``MEGARL_CRASH_AT=POINT:STEP[:DELAY_S]`` makes the process that reaches ``POINT`` at ``STEP``
+kill itself with SIGKILL (no cleanup, no atexit: what a node failure or the OOM killer does),
+``DELAY_S`` seconds after it got there (0 = at once), so a crash can land in the middle of a
+phase. The points are the timed phases of a step (every :func:`megarl.metrics.timing.timer`
+block: ``gen``, ``reward``, ``old_log_prob``, ``update_actor``, ``sync_weights``, ...) and
+``save``; the step is the one the trainer announced with :func:`set_step`. Unset, nothing
+happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+ENV = "MEGARL_CRASH_AT"
+_step = 0
+
+
+def set_step(step: int) -> None:
+    """The step the process is working on now (the trainer calls this at each step start)."""
+    global _step
+    _step = step
+
+
+def parse_crash_spec(spec: str) -> tuple[str, int, float]:
+    """``POINT:STEP[:DELAY_S]`` -> (point, step, delay); a one-line error names the variable."""
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError
+        return parts[0], int(parts[1]), float(parts[2]) if len(parts) == 3 else 0.0
+    except ValueError:
+        raise ValueError(f"{ENV}={spec!r}: expected POINT:STEP or POINT:STEP:DELAY_S, e.g. "
+                         "update_actor:3 or gen:2:0.5") from None
+
+
+def _kill_self() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def crash_point(point: str, step: int | None = None) -> None:
+    """SIGKILL this process (now or after the delay) if ``MEGARL_CRASH_AT`` names this point at
+    ``step`` (default: the step of :func:`set_step`)."""
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    name, at_step, delay = parse_crash_spec(spec)
+    if name != point or at_step != (_step if step is None else step):
+        return
+    if delay <= 0:
+        _kill_self()
+    timer = threading.Timer(delay, _kill_self)
+    timer.daemon = True
+    timer.start()

@@ -1,0 +1,105 @@
+"""Checkpoints of a whole run: save every ``trainer.save_every`` steps, resume after a crash.
+
+A checkpoint is one directory ``<trainer.output_dir>/checkpoints/step_XXXXXXXX`` written by the
+actor ranks together (:func:`megarl.megatron.checkpoint.save_checkpoint`: model, optimizer,
+LR schedule, RNG states of every rank; written under a temporary name and published by a rename,
+with the ``latest`` pointer updated last, older ones rotated by ``trainer.keep_last``). The
+critic (with gae) is saved the same way under ``checkpoints/critic/``, before the actor. The
+trainer's own state rides along in it: the prompt loader's position, the step, the engines'
+``weight_version``, the health monitor's history and the resolved config.
+
+What is re-generated on resume: nothing is in flight at a colocate_sync checkpoint (it is taken
+after a step's weights were synced), so the resumed run starts the next step from the saved
+loader position. The asynchronous schedulers save the position before the prompts they had
+drawn but not trained on (:meth:`megarl.scheduler.base.Scheduler.checkpoint_state`), so those
+are generated again — none is lost. The rollout engines, which start from the HF weights, first
+receive the checkpoint's weights under its ``weight_version`` (the next version when the actor
+was one update ahead of them). With deterministic settings (CPU, fp32, the
+per-prompt sampling seeds) the resumed run's per-step metrics equal an uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from megarl.config.render import render_config
+from megarl.faults import crash_point
+
+if TYPE_CHECKING:
+    from megarl.trainer import Trainer
+
+
+def checkpoint_root(trainer: Trainer) -> Path:
+    """Where the run's checkpoints go."""
+    return Path(trainer.cfg.trainer.output_dir) / "checkpoints"
+
+
+def save_due(trainer: Trainer) -> bool:
+    """Whether the step just finished is a checkpoint step (every ``save_every``, and the last
+    step of the run unless saving is off with ``save_every=0`` and ``resume=never``)."""
+    cfg = trainer.cfg.trainer
+    step = trainer.steps_done
+    if cfg.save_every and step % cfg.save_every == 0:
+        return True
+    return step == cfg.total_steps and (cfg.save_every > 0 or cfg.resume != "never")
+
+
+def save_run_checkpoint(trainer: Trainer) -> str:
+    """Save the actor and the trainer's state after ``trainer.steps_done`` steps; returns the
+    published directory."""
+    state = trainer.scheduler.checkpoint_state()
+    extra: dict[str, Any] = {
+        "loader": state["loader"],
+        "unsynced": state["unsynced"],
+        "weight_version": trainer.weight_version,
+        "health": trainer.health.state_dict(),
+        "config": render_config(trainer.cfg, trainer.sources),
+    }
+    step, keep_last = trainer.steps_done, trainer.cfg.trainer.keep_last
+    root = checkpoint_root(trainer)
+    critic = trainer.workers.critic
+    if critic is not None:
+        # the critic first: the actor's checkpoint (and its `latest`) marks the step complete
+        critic.group.execute_all("save_checkpoint", str(root / "critic"), step, {}, keep_last)
+    pending = trainer.workers.actor.execute_all_async("save_checkpoint", str(root), step, extra,
+                                                      keep_last)
+    crash_point("save", step)
+    return pending.get(phase="save")[0]
+
+
+def resume_path(trainer: Trainer) -> str | None:
+    """The checkpoint ``trainer.resume`` selects, or None to start fresh."""
+    from megarl.megatron.checkpoint import latest_checkpoint
+
+    choice = trainer.cfg.trainer.resume
+    if choice == "never":
+        return None
+    if choice == "auto":
+        latest = latest_checkpoint(checkpoint_root(trainer))
+        return None if latest is None else str(latest)
+    return choice
+
+
+def resume_run(trainer: Trainer) -> int | None:
+    """Load the selected checkpoint into the actor ranks and the trainer, and push its weights
+    to the engines; returns the step resumed after (None when starting fresh)."""
+    path = resume_path(trainer)
+    if path is None:
+        return None
+    info = trainer.workers.actor.execute_all("load_checkpoint", path)[0]
+    extra = info["extra"]
+    if trainer.workers.critic is not None:
+        critic_path = Path(info["path"]).parent / "critic" / Path(info["path"]).name
+        trainer.workers.critic.group.execute_all("load_checkpoint", str(critic_path))
+    trainer.loader.load_state_dict(extra["loader"])
+    trainer.health.load_state_dict(extra["health"])
+    trainer.steps_done = int(info["step"])
+    # the actor may be one update ahead of the engines (one_step_off, fully_async): the push
+    # below is then that update's
+    trainer.weight_version = int(extra["weight_version"]) + int(extra.get("unsynced", False))
+    trainer.workers.weight_sync(str(trainer.weight_version))
+    if trainer.is_driver:
+        print(f"megarl: resumed from {info['path']} (step {trainer.steps_done}, weight_version "
+              f"{trainer.weight_version})", flush=True)
+    return trainer.steps_done
