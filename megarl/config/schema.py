@@ -70,7 +70,8 @@ class CheckpointEngineConfig(Section):
 
     backend: Literal["nccl", "nixl", "ipc", "disk", "auto"] = Field("auto", description=(
         "transport: nccl (gloo on CPU), nixl, ipc (colocated only), disk (shared file system); "
-        "auto = ipc when colocated, else nccl"))
+        "auto = ipc when colocated, else nccl. `megarl train` streams over nccl (auto included) "
+        "so far; nixl/ipc/disk run in `megarl bench weight-sync`"))
     bucket_size_mb: int = Field(2048, ge=1, description=(
         "size of one streamed bucket (verl `update_weights_bucket_megabytes`); each sending rank "
         "holds at most one extra bucket"))

@@ -108,6 +108,8 @@ def test_settings_the_trainer_does_not_run_yet_are_refused(assets, tmp_path, cap
     assert train_main(["--config", str(DEMO_CONFIG), *base,
                        "algorithm.adv_estimator=reinforce_plus_plus"]) == 2
     assert "algorithm.adv_estimator: the token-level-reward estimator" in capsys.readouterr().err
+    assert train_main(["--config", str(DEMO_CONFIG), *base, "checkpoint_engine.backend=disk"]) == 2
+    assert "checkpoint_engine.backend: the trainer streams weights" in capsys.readouterr().err
 
 
 def test_ppo_with_a_critic_runs_gae(assets, tmp_path):
