@@ -64,6 +64,7 @@ def start_train(assets: Path, out: Path, crash: str | None = None) -> tuple[subp
         env["MEGARL_CRASH_AT"] = crash
     args = [sys.executable, "-m", "megarl.cli", "train", "--config", str(DEMO_CONFIG),
             f"model.path={assets / 'model'}", f"data.train_files=[{assets / 'data/train.parquet'}]",
+            f"data.val_files=[{assets / 'data/val.parquet'}]",
             f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
             f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_every=1", "trainer.resume=auto",
             "trainer.keep_last=2", "trainer.phase_timeout_s=120", "ray.address=local",
