@@ -160,10 +160,11 @@ def test_dead_train_rank_stops_the_run_and_resume_continues(assets, expected, tm
     while not (jsonl.exists() and len(jsonl.read_text().splitlines()) >= 2):
         assert proc.poll() is None and time.monotonic() < deadline, "step 2 never logged"
         time.sleep(0.2)
-    ranks = [p for p in psutil.process_iter(["pid", "cmdline"])
-             if "ActorWorker" in " ".join(p.info["cmdline"] or []) and _tag_of(p) == tag]
-    assert len(ranks) == 2, [p.info["cmdline"] for p in ranks]
-    ranks[-1].send_signal(signal.SIGKILL)
+    # every worker log starts with "=== megarl actor rank 1/2 pid P on HOST ..."
+    header = (out / "logs" / "actor_rank1.log").read_text().splitlines()[0]
+    rank = psutil.Process(int(re.search(r" pid (\d+) ", header).group(1)))
+    assert _tag_of(rank) == tag, header
+    rank.send_signal(signal.SIGKILL)
     code, err = finish(proc, tag, expect_ok=False)
     assert code not in (0, -signal.SIGKILL)
     assert re.search(r"actor rank \d \(host [^,]+, pid \d+\) died during", err), err[-3000:]
