@@ -163,22 +163,52 @@ class HFStep:
 
 
 class MegatronStep:
-    """One forward + backward of megarl's actor log-prob loss on one packed micro-batch."""
+    """One forward + backward of megarl's actor log-prob loss on one packed micro-batch; with
+    ``graphs`` through :class:`~megarl.megatron.cuda_graphs.GraphedChunk` (what
+    ``actor.cuda_graphs=true`` runs; ``"emulate"``: its buffers without CUDA graphs, CPU)."""
 
-    def __init__(self, model_dir: Path, sequences: list[torch.Tensor], dtype: torch.dtype) -> None:
-        from megarl.megatron.logprobs import make_micro_batches
+    def __init__(self, model_dir: Path, sequences: list[torch.Tensor], dtype: torch.dtype,
+                 graphs: bool | str = False) -> None:
+        from megarl.megatron.cuda_graphs import GraphedChunk
+        from megarl.megatron.logprobs import gpt_forward, make_micro_batches
         from megarl.megatron.model import build_actor_model
         from megarl.megatron.parallel import ParallelSizes
 
         self.model = build_actor_model(model_dir, ParallelSizes(), dtype, spec="native")
         (self.batch,), _ = make_micro_batches(self.model, sequences, None)
         self.chunk = self.model.chunks[0].train()
+        self.forward: Callable[[Any], torch.Tensor] = lambda batch: gpt_forward(self.chunk, batch)
+        if graphs:  # one bucket of exactly this micro-batch
+            self.forward = GraphedChunk(self.chunk, bucket_tokens=self.batch.num_tokens,
+                                        emulate=graphs == "emulate")
 
-    def __call__(self) -> None:
+    def eager_repeat(self) -> float:
+        """Largest |log-prob difference| between two eager forwards (the run-to-run noise of
+        the kernels, e.g. atomics in the MoE combine; the yardstick for :meth:`graphs_vs_eager`)."""
         from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs
 
+        with torch.no_grad():
+            a, b = (logits_to_log_probs(self.model, gpt_forward(self.chunk, self.batch),
+                                        self.batch.targets, 1.0)[0] for _ in range(2))
+        return float((a - b).abs().max())
+
+    def graphs_vs_eager(self) -> float:
+        """Largest |log-prob difference| between the graphed and the eager forward."""
+        from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs
+
+        with torch.enable_grad():
+            graphed = logits_to_log_probs(self.model, self.forward(self.batch), self.batch.targets,
+                                          1.0)[0]
+            graphed.sum().backward()  # graphed forwards and backwards alternate
+            eager = logits_to_log_probs(self.model, gpt_forward(self.chunk, self.batch),
+                                        self.batch.targets, 1.0)[0]
+        return float((graphed - eager).detach().abs().max())
+
+    def __call__(self) -> None:
+        from megarl.megatron.logprobs import logits_to_log_probs
+
         self.chunk.zero_grad(set_to_none=True)
-        logits = gpt_forward(self.chunk, self.batch)
+        logits = self.forward(self.batch)
         log_probs, _ = logits_to_log_probs(self.model, logits, self.batch.targets, 1.0)
         loss = -log_probs.mean()
         loss.backward()
@@ -264,7 +294,11 @@ def run_shape(
     sides = {
         "hf": lambda: HFStep(model_dir, tokens, device, dtype),
         "megatron": lambda: MegatronStep(model_dir, sequences, dtype),
+        "megatron_graphs": lambda: MegatronStep(
+            model_dir, sequences, dtype, graphs=True if device == "cuda" else "emulate"),
     }
+    if args.no_graphs:
+        del sides["megatron_graphs"]
     flops = train_flops_per_token(cfg, args.seq_len // args.packed_seqs)
     out: dict[str, Any] = {
         "shape": name,
@@ -276,6 +310,10 @@ def run_shape(
         step = build()
         if side == "hf":
             out["hf_experts_implementation"] = step.experts
+        if side == "megatron":
+            out["eager_repeat_max_abs_log_prob"] = step.eager_repeat()
+        if side == "megatron_graphs":
+            out["graphs_vs_eager_max_abs_log_prob"] = step.graphs_vs_eager()
         seconds = time_cuda(step, warmup=args.warmup, repeats=args.steps)
         tps = args.seq_len / seconds
         out[f"{side}_tokens_per_s"] = tps
@@ -297,6 +335,8 @@ def run_shape(
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
     out["ratio"] = out["megatron_tokens_per_s"] / out["hf_tokens_per_s"]
+    if "megatron_graphs_tokens_per_s" in out:
+        out["ratio_graphs"] = out["megatron_graphs_tokens_per_s"] / out["hf_tokens_per_s"]
     if device == "cuda":
         from megarl.megatron import native_ops
 
@@ -328,13 +368,16 @@ def print_table(rows: list[dict[str, Any]], ceilings: dict[str, float]) -> None:
             f"copy {ceilings['copy_gb_per_s']:.0f} GB/s"
         )
     for r in rows:
-        for side in ("hf", "megatron"):
+        for side in ("hf", "megatron", "megatron_graphs"):
+            if f"{side}_tokens_per_s" not in r:
+                continue
             mfu = f"  MFU {r[side + '_mfu']:6.1%}" if f"{side}_mfu" in r else ""
             print(
-                f"{r['shape']:>6} {side:>9}: {r[side + '_tokens_per_s']:10.0f} tokens/s  "
+                f"{r['shape']:>6} {side:>15}: {r[side + '_tokens_per_s']:10.0f} tokens/s  "
                 f"{r[side + '_tflops']:7.1f} TFLOP/s{mfu}"
             )
-        print(f"{r['shape']:>6}     ratio: {r['ratio']:.2f}x megatron/hf")
+        graphed = f", {r['ratio_graphs']:.2f}x with CUDA graphs" if "ratio_graphs" in r else ""
+        print(f"{r['shape']:>6}           ratio: {r['ratio']:.2f}x megatron/hf eager{graphed}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -352,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=None)
     p.add_argument("--steps", type=int, default=None, help="timed steps (median kept)")
     p.add_argument("--profile", default=None, help="folder for torch.profiler op tables")
+    p.add_argument("--no-graphs", action="store_true",
+                   help="skip the CUDA-graphed megatron side (actor.cuda_graphs)")
     p.add_argument("--out", default=None, help="write the JSON summary to this file")
     args = p.parse_args(argv)
     on_gpu = torch.cuda.is_available()

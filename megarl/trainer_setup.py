@@ -74,7 +74,9 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
                      init_checkpoint=cfg.model.mcore_checkpoint,
                      router_replay=(a.router_replay.mode != "disabled"
-                                    or bool(cfg.rollout.enable_return_routed_experts)))
+                                    or bool(cfg.rollout.enable_return_routed_experts)),
+                     cuda_graphs=a.cuda_graphs,
+                     cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens)
 
 
 def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:

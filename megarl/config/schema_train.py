@@ -138,6 +138,13 @@ class ActorConfig(Section):
         "activation recomputation"))
     router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig, description=(
         "MoE router replay"))
+    cuda_graphs: bool = Field(False, description=(
+        "replay each training micro-batch's forward and backward from CUDA graphs captured per "
+        "token bucket (GPU; needs parallel.pp=1, no router replay, no dropout); pays when the "
+        "step is bound by kernel launches, as with small or MoE models"))
+    cuda_graph_bucket_tokens: int = Field(1024, ge=1, description=(
+        "with `cuda_graphs`: micro-batches are padded up to a multiple of this many tokens, "
+        "one pair of graphs per multiple (at most 8, later shapes run eagerly)"))
     log_prob_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description=(
         "sequences per forward when recomputing old log-probs; null = the training micro-batch"))
 

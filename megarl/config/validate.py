@@ -415,6 +415,27 @@ def check_router_replay(ctx: Context) -> Iterator[Problem]:
                       "to return", "set rollout.enable_return_routed_experts=false")
 
 
+def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
+    """CUDA-graphed updates need a GPU, one pipeline stage and no router replay."""
+    cfg = ctx.cfg
+    actor = cfg.actor
+    if not actor.cuda_graphs:
+        return
+    if actor.parallel.pp > 1:
+        yield error(("actor.cuda_graphs", "actor.parallel.pp"), "CUDA graphs replay one "
+                    "micro-batch at a time; the pipeline schedule keeps several in flight",
+                    "set actor.cuda_graphs=false or actor.parallel.pp=1")
+    replay = actor.router_replay.mode != "disabled" or cfg.rollout.enable_return_routed_experts
+    if replay:
+        yield error(("actor.cuda_graphs", "actor.router_replay.mode"), "router replay sets the "
+                    "routes of each micro-batch outside the graph", "set actor.cuda_graphs=false "
+                    "(or actor.router_replay.mode=disabled and "
+                    "rollout.enable_return_routed_experts=false)")
+    if cfg.resources.device == "cpu":
+        yield warning(("actor.cuda_graphs", "resources.device"), "CUDA graphs need a GPU; the "
+                      "update runs eagerly on the CPU", "set actor.cuda_graphs=false")
+
+
 def check_training_safety(ctx: Context) -> Iterator[Problem]:
     """Gradient clipping off invites the NaN-after-some-steps failure (T5)."""
     if ctx.cfg.actor.grad_clip == 0:
@@ -508,7 +529,7 @@ RULES: tuple[Rule, ...] = (
     check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
     check_group_size,
     check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
-    check_rollout_correction, check_router_replay, check_training_safety,
+    check_rollout_correction, check_router_replay, check_cuda_graphs, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,
     check_memory_fits,
 )

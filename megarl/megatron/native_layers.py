@@ -33,6 +33,12 @@ from megarl.megatron.native_ops import RotaryTables, rotary, swiglu
 _ROTARY_TABLES = RotaryTables()
 
 
+def clear_rotary_tables() -> None:
+    """Forget the cached RoPE tables (around a CUDA graph capture: a table cached by an eager
+    forward would be read by the graph instead of recomputed from its static offsets)."""
+    _ROTARY_TABLES.clear()
+
+
 def _plain_swiglu(config: TransformerConfig) -> bool:
     """Whether the MLP activation is exactly ``silu(gate) * up`` in megatron's torch path."""
     return (

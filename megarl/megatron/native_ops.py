@@ -138,6 +138,10 @@ class RotaryTables:
             self._entries.popitem(last=False)
         return tables
 
+    def clear(self) -> None:
+        """Drop every cached table."""
+        self._entries.clear()
+
 
 def _tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``[rows, 1, 1, d]`` angles (``cat(f, f)``) -> (cos, signed sin), ``[rows, 1, 1, 2, d/2]``."""
@@ -145,8 +149,9 @@ def _tables(angles: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, tor
     angles = angles.reshape(angles.shape[0], 1, 1, 2, half)
     cos = torch.cos(angles).to(dtype)
     sin = torch.sin(angles).to(dtype)
-    sign = torch.tensor([-1.0, 1.0], dtype=dtype, device=angles.device).view(2, 1)
-    return cos, sin * sign
+    # the first half rotates with -sin (negation is exact; no host-made sign tensor, which a
+    # CUDA graph capture could not copy to the device)
+    return cos, torch.cat([-sin[..., :1, :], sin[..., 1:, :]], dim=-2)
 
 
 def packed_positions(cu_seqlens: torch.Tensor, rows: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.algo import aggregate_loss, get_policy_loss, kl_penalty, loss_counts
 from megarl.megatron import cpu_compat
+from megarl.megatron.cuda_graphs import GraphedChunk
 from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs, make_micro_batches
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.packing import PackedBatch
@@ -161,9 +162,11 @@ def train_step(
     *,
     max_tokens_per_micro_batch: int | None = None,
     temperature: float = 1.0,
+    graphed: GraphedChunk | None = None,
 ) -> dict[str, float]:
     """One optimizer step on this DP rank's share of a mini-batch; returns ``actor/*`` metrics
-    (identical on every rank)."""
+    (identical on every rank). With ``graphed`` (the single chunk's :class:`GraphedChunk`) the
+    micro-batches' forward and backward replay CUDA graphs where their bucket allows."""
     cpu_compat.enable()
     model = actor.model
     batches, groups = make_micro_batches(
@@ -182,6 +185,8 @@ def train_step(
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
+        if graphed is not None and graphed.supports(mb.packed):
+            return graphed(mb.packed), partial(loss_func, mb)
         return gpt_forward(chunk, mb.packed), partial(loss_func, mb)
 
     for chunk in model.chunks:

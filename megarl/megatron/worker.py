@@ -11,6 +11,7 @@ The trainer gives every rank of one data-parallel group the same share.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +22,7 @@ from megatron.core import parallel_state as mpu
 
 from megarl.cluster.worker import Worker
 from megarl.megatron.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.logprobs import compute_log_probs
 from megarl.megatron.model import ActorModel, build_actor_model
 from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
@@ -30,6 +32,7 @@ from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
 from megarl.megatron.update import LossSettings, TrainSequence, train_step
 
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -52,6 +55,9 @@ class ActorSpec:
     router_replay: bool = False
     """Build the actor's MoE routers able to record and replay routes (router replay R2/R3,
     or measuring how often the trainer routes like the rollout engine)."""
+    cuda_graphs: bool = False
+    """Replay the update's forward/backward from CUDA graphs (``actor.cuda_graphs``)."""
+    cuda_graph_bucket_tokens: int = 1024
 
 
 def _as_tensor(values: list[float] | None) -> torch.Tensor | None:
@@ -86,6 +92,7 @@ class ActorWorker(Worker):
         dtype = DTYPES[spec.dtype]
         model = self._build_model(dtype, router_replay=spec.router_replay)
         self.actor = TrainableActor(model, spec.optim)
+        self.graphed = self._graphed_chunk() if spec.cuda_graphs else None
         self.ref: ActorModel | None = None
         if spec.with_ref:
             self.ref = self._build_model(dtype)
@@ -102,6 +109,17 @@ class ActorWorker(Worker):
         if spec.init_checkpoint is not None:
             load_model_weights(spec.init_checkpoint, model)
         return model
+
+    def _graphed_chunk(self) -> GraphedChunk | None:
+        """The actor chunk's CUDA-graphed training forward (None, with a warning, where the
+        layout or the device rules graphs out)."""
+        reason = graph_unsupported_reason(self.actor.model.config, self.spec.sizes.pp,
+                                          self.spec.router_replay)
+        if reason is not None:
+            logger.warning("actor.cuda_graphs is on but the update runs eagerly: %s", reason)
+            return None
+        return GraphedChunk(self.actor.model.chunks[0],
+                            bucket_tokens=self.spec.cuda_graph_bucket_tokens)
 
     def layout(self) -> dict[str, int]:
         """This rank's data-parallel coordinates and whether it reports results for its group."""
@@ -176,7 +194,7 @@ class ActorWorker(Worker):
                 metrics.append(train_step(
                     self.actor, sequences, self.spec.loss,
                     max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
-                    temperature=self.spec.temperature))
+                    temperature=self.spec.temperature, graphed=self.graphed))
             used.append(recording.routes)
         return metrics, used
 

@@ -42,3 +42,6 @@ def test_actor_smoke_reports_both_sides(tmp_path):
     assert [r["shape"] for r in rows] == ["dense", "moe"]
     for r in rows:
         assert r["hf_tokens_per_s"] > 0 and r["megatron_tokens_per_s"] > 0 and r["ratio"] > 0
+        # the CUDA-graph side runs GraphedChunk's buffers (emulated on the CPU): same log-probs
+        assert r["megatron_graphs_tokens_per_s"] > 0
+        assert r["graphs_vs_eager_max_abs_log_prob"] < 1e-5

@@ -18,7 +18,10 @@ ADAM_LR = 1e-3  # as in test_update's reference
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
-def test_bf16_adam_step_on_gpu(tiny_models, name):
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+def test_bf16_adam_step_on_gpu(tiny_models, name, graphs):
+    """With ``graphs`` the micro-batches (two, of 16-token buckets) replay captured CUDA graphs
+    (actor.cuda_graphs); the step must agree with the fp32 reference as the eager one does."""
     batch = make_batch(tiny_models[name])
     ref = reference_step(tiny_models[name], batch, "adam", 0.0)
     pool = RankPool(1, backend="nccl")
@@ -30,6 +33,7 @@ def test_bf16_adam_step_on_gpu(tiny_models, name):
             batch,
             optimizer="adam",
             dtype=torch.bfloat16,
+            **({"budget": 24, "graph_bucket": 16, "graph_emulate": False} if graphs else {}),
         )
     finally:
         pool.close()
