@@ -93,6 +93,8 @@ class GraphedChunk:
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
         self._pending: _Bucket | None = None
+        self.failed: str | None = None
+        """Why a capture failed (the chunk then runs eagerly), None while graphs work."""
         # a parameter under megatron's DDP hands its gradient to main_grad at once (its hook
         # sets .grad to None), so the graph's static gradient can be given to autograd as is;
         # otherwise autograd would keep it as .grad and the next replay would overwrite it
@@ -163,11 +165,14 @@ class GraphedChunk:
         # tables cached by an eager forward would be read, not recomputed, by the graph
         clear_rotary_tables()
         forward, backward = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # thread_local: CUDA calls of other threads (the NCCL watchdog polling its events) do
+        # not invalidate the capture
+        mode = "thread_local"
         try:
-            with torch.cuda.graph(forward, pool=self._pool):
+            with torch.cuda.graph(forward, pool=self._pool, capture_error_mode=mode):
                 output = self._run_forward(bucket)
             grad_output = torch.empty_like(output)
-            with torch.cuda.graph(backward, pool=self._pool):
+            with torch.cuda.graph(backward, pool=self._pool, capture_error_mode=mode):
                 grads = self._run_backward(output, grad_output)
         finally:
             clear_rotary_tables()
@@ -194,6 +199,8 @@ class GraphedChunk:
     # ----- use -----
     def supports(self, batch: PackedBatch) -> bool:
         """Whether ``batch`` runs from a graph (its bucket exists or may still be captured)."""
+        if self.failed is not None:
+            return False
         key = self.bucket_of(batch)
         return key in self.buckets or len(self.buckets) < self.max_buckets
 
@@ -211,13 +218,25 @@ class GraphedChunk:
             bucket = self._new_bucket(key, batch.input_ids.device)
         self._fill(bucket, batch)
         if new:
-            self._capture(bucket)
+            try:
+                self._capture(bucket)
+            except RuntimeError as err:  # the update goes on eagerly
+                self.failed = f"{type(err).__name__}: {err}"
+                logger.warning("actor.cuda_graphs: capturing %d tokens / %d sequences failed; "
+                               "the update runs eagerly from now on (%s)", *key, self.failed)
+                torch.cuda.synchronize()
+                return self._eager(batch)
             self.buckets[key] = bucket
             logger.info("captured the actor's CUDA graphs for %d tokens / %d sequences",
                         *key)
         self._pending = bucket
         out = _Replay.apply(self, bucket, *self.params)
         return out[:, : batch.num_tokens]
+
+    def _eager(self, batch: PackedBatch) -> torch.Tensor:
+        from megarl.megatron.logprobs import gpt_forward
+
+        return gpt_forward(self.module, batch)
 
     def _backward_done(self) -> None:
         self._pending = None

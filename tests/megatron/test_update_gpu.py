@@ -20,8 +20,9 @@ ADAM_LR = 1e-3  # as in test_update's reference
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
 def test_bf16_adam_step_on_gpu(tiny_models, name, graphs):
-    """With ``graphs`` the micro-batches (two, of 16-token buckets) replay captured CUDA graphs
-    (actor.cuda_graphs); the step must agree with the fp32 reference as the eager one does."""
+    """With ``graphs`` the micro-batches (one sequence each, in 16-token buckets with a tail)
+    replay captured CUDA graphs (actor.cuda_graphs); the step must agree with the fp32
+    reference as the eager one does."""
     batch = make_batch(tiny_models[name])
     ref = reference_step(tiny_models[name], batch, "adam", 0.0)
     pool = RankPool(1, backend="nccl")
@@ -33,7 +34,7 @@ def test_bf16_adam_step_on_gpu(tiny_models, name, graphs):
             batch,
             optimizer="adam",
             dtype=torch.bfloat16,
-            **({"budget": 24, "graph_bucket": 16, "graph_emulate": False} if graphs else {}),
+            **({"budget": 14, "graph_bucket": 16, "graph_emulate": False} if graphs else {}),
         )
     finally:
         pool.close()
@@ -55,3 +56,16 @@ def test_bf16_adam_step_on_gpu(tiny_models, name, graphs):
     # in sign (near-zero gradients) the two updates differ by up to 2 lr
     assert diffs.max().item() <= 2 * ADAM_LR + 1e-3
     assert diffs.mean().item() <= 0.1 * ADAM_LR
+
+
+@pytest.mark.xfail(strict=True, reason="capturing a micro-batch of several packed sequences "
+                   "is invalidated on the H200 (cudaErrorStreamCaptureInvalidated in the "
+                   "backward); GraphedChunk then runs it eagerly")
+def test_cuda_graphs_capture_micro_batches_of_several_sequences(tiny_models):
+    batch = make_batch(tiny_models["qwen3"])
+    pool = RankPool(1, backend="nccl")
+    try:
+        pool.run(update_on_rank, tiny_models["qwen3"], ParallelSizes(), batch, optimizer="adam",
+                 dtype=torch.bfloat16, budget=24, graph_bucket=16, graph_emulate=False)
+    finally:
+        pool.close()
