@@ -125,3 +125,29 @@ def test_all_experts_decode_equals_routed_experts(model_dir):
         torch.testing.assert_close(ours.logits, ref.logits, atol=1e-5, rtol=0)
         assert torch.equal(ours.routes, ref.routes)
         tokens = ref.logits.argmax(-1).tolist()
+
+
+def test_fused_projections_alias_the_live_weights(model_dir):
+    """One GEMM over the fused q/k/v (and gate/up) weights computes the separate projections,
+    and a weight update written into the HF parameters in place reaches the fused tensor."""
+    from megarl.rollout.local.fused_projections import FusedLayer
+    from megarl.rollout.local.weights import WeightMap
+
+    runner = ModelRunner(model_dir, backend="hf")
+    layer = runner.model.model.layers[0]
+    attn = layer.self_attn
+    x = torch.randn(5, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    separate = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    fused = FusedLayer.of(layer)
+    torch.testing.assert_close(torch.nn.functional.linear(x, *fused.qkv), separate)
+    assert attn.k_proj.weight.data_ptr() == fused.qkv[0][fused.qkv_sizes[0]:].data_ptr()
+    if hasattr(layer.mlp, "gate_proj"):
+        gate_up = torch.nn.functional.linear(x, *fused.gate_up)
+        torch.testing.assert_close(gate_up, torch.cat([layer.mlp.gate_proj(x),
+                                                       layer.mlp.up_proj(x)], dim=-1))
+    new_k = torch.randn_like(attn.k_proj.weight)
+    WeightMap(runner.model).load("model.layers.0.self_attn.k_proj.weight", new_k)
+    start, size = fused.qkv_sizes[0], fused.qkv_sizes[1]
+    assert torch.equal(fused.qkv[0][start:start + size], new_k)
+    torch.testing.assert_close(torch.nn.functional.linear(x, *fused.qkv)[:, start:start + size],
+                               x @ new_k.T)

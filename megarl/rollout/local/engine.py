@@ -26,7 +26,7 @@ import torch
 
 from megarl.rollout.interface import PauseMode, SamplingParams
 from megarl.rollout.local.model_runner import ModelRunner
-from megarl.rollout.local.sampling import BatchSampling, RowSampling, sample_next
+from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampling, sample_next
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -102,6 +102,10 @@ class LocalEngine:
         self.released: set[str] = set()
         self._generator = torch.Generator()
         self._generator.manual_seed(seed if seed is not None else torch.seed())
+        # keys of unseeded rows for the fused sampler, from a stream of their own (the
+        # sequential sampler's draws stay as they were)
+        self._row_seeds = torch.Generator()
+        self._row_seeds.manual_seed(self._generator.initial_seed() + 1)
         self._inbox: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.Queue())
         self._waiting: deque[_Prefill] = deque()
@@ -208,8 +212,11 @@ class LocalEngine:
             if seed is not None:
                 gen = torch.Generator()
                 gen.manual_seed(seed + j)
+                row_seed = seed + j
+            else:
+                row_seed = int(torch.randint(1 << 62, (1,), generator=self._row_seeds))
             p = request.params
-            sampling = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, gen)
+            sampling = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, gen, row_seed)
             stop_ids = frozenset(p.stop_token_ids) | (
                 frozenset() if p.ignore_eos else frozenset(runner.eos_token_ids))
             request.samples.append(Sample(request, j, max_new, sampling, stop_ids))
@@ -265,16 +272,32 @@ class LocalEngine:
     def _decode(self) -> None:
         rows = self._rows  # finished rows stay until compaction; their results are ignored
         want_routes = any(s.request.return_routed_experts and s.finish is None for s in rows)
-        out = self.runner.decode([s.output_ids[-1] for s in rows], want_routes)
+        out = self.runner.decode([s.output_ids[-1] for s in rows], want_routes,
+                                 sampling=self._fused_sampling())
         if out.routes is not None:
             for i, s in enumerate(rows):
                 if s.request.return_routed_experts and s.finish is None:
                     s.route_chunks.append(out.routes[i].to(torch.int16))
-        if self._rows_sampling is None:
-            self._rows_sampling = BatchSampling.build([s.sampling for s in rows],
-                                                      out.logits.device)
-        self._sample_into(rows, out.logits, self._rows_sampling)
+        if out.sampled is not None:  # drawn inside the decode step (fused GPU sampler)
+            self._append(rows, *out.sampled)
+        else:
+            self._sample_into(rows, out.logits, self._batch_sampling(out.logits.device))
         self._settle()
+
+    def _batch_sampling(self, device: torch.device) -> BatchSampling:
+        """The running rows' sampling settings (built once per batch composition)."""
+        if self._rows_sampling is None:
+            self._rows_sampling = BatchSampling.build([s.sampling for s in self._rows], device)
+        return self._rows_sampling
+
+    def _fused_sampling(self) -> FusedSampling | None:
+        """The in-graph sampler's inputs for this decode step, when every row may use it (no
+        top-k / top-p / min-p, no stop token held back by min_new_tokens)."""
+        if not self.runner.fused_sampling or any(
+                len(s.output_ids) < s.request.params.min_new_tokens and s.stop_ids
+                for s in self._rows):
+            return None
+        return self._batch_sampling(self.runner.device).fused
 
     def _set_rows(self, rows: list[Sample]) -> None:
         self._rows = rows
@@ -285,7 +308,12 @@ class LocalEngine:
         banned = {i: tuple(s.stop_ids) for i, s in enumerate(samples)
                   if len(s.output_ids) < s.request.params.min_new_tokens and s.stop_ids}
         tokens, logprobs = sample_next(logits, batch, self._generator, banned)
-        for s, tok, lp in zip(samples, tokens.tolist(), logprobs.tolist()):
+        self._append(samples, tokens.tolist(), logprobs.tolist())
+
+    @staticmethod
+    def _append(samples: list[Sample], tokens: list[int], logprobs: list[float]) -> None:
+        """Add one drawn token per sample; finish samples on a stop token or their length."""
+        for s, tok, lp in zip(samples, tokens, logprobs):
             if s.finish is not None:
                 continue
             s.output_ids.append(tok)

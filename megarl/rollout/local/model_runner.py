@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from megarl.rollout.local.sampling import FusedSampling
 from megarl.rollout.local.static_kv import NativeDecoder, PrefillKV, native_unsupported_reason
 
 logger = logging.getLogger(__name__)
@@ -131,10 +132,12 @@ class KVBatch:
 
 @dataclass
 class ForwardOut:
-    """Last-position logits ``[rows, V]`` and, when recorded, routes ``[rows, seq, L, K]``."""
+    """Last-position logits ``[rows, V]`` and, when recorded, routes ``[rows, seq, L, K]``;
+    ``sampled``: the (tokens, log-probs) a decode step drew itself (fused sampler)."""
 
     logits: torch.Tensor
     routes: torch.Tensor | None
+    sampled: tuple[list[int], list[float]] | None = None
 
 
 class ModelRunner:
@@ -180,6 +183,11 @@ class ModelRunner:
     def backend(self) -> str:
         """The decode backend in use: ``native`` or ``hf``."""
         return "hf" if self.native is None else "native"
+
+    @property
+    def fused_sampling(self) -> bool:
+        """Whether :meth:`decode` can draw the next tokens itself (the native path on CUDA)."""
+        return self.native is not None and self.native.fused_sampling
 
     @property
     def rows(self) -> int:
@@ -284,13 +292,16 @@ class ModelRunner:
                 layer.keys, layer.values = k, v
 
     @torch.no_grad()
-    def decode(self, tokens: list[int], routes: bool) -> ForwardOut:
-        """Feed one token per running row; returns next-token logits and the fed tokens' routes."""
+    def decode(self, tokens: list[int], routes: bool,
+               sampling: FusedSampling | None = None) -> ForwardOut:
+        """Feed one token per running row; returns next-token logits and the fed tokens' routes;
+        with ``sampling`` (and :attr:`fused_sampling`) also the next tokens, drawn in the step."""
         if self.native is not None:
-            logits, captured = self.native.decode(tokens)
+            logits, captured, sampled = self.native.decode(
+                tokens, sampling if self.native.fused_sampling else None)
             if not routes or captured is None:
-                return ForwardOut(logits, None)
-            return ForwardOut(logits, captured.to("cpu", torch.int32)[:, None])
+                return ForwardOut(logits, None, sampled)
+            return ForwardOut(logits, captured.to("cpu", torch.int32)[:, None], sampled)
         batch = self.batch
         assert batch is not None and self.cache is not None and len(tokens) == batch.rows
         ones = torch.ones(batch.rows, 1, dtype=batch.mask.dtype, device=batch.mask.device)

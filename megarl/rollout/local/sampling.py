@@ -31,6 +31,9 @@ class RowSampling:
     min_p: float
     generator: torch.Generator | None = None
     """The row's own random stream (seeded requests); None draws from the engine's stream."""
+    seed: int = 0
+    """The row's key for the GPU's in-graph sampler (:class:`FusedSampling`): a token's draw is
+    a function of this seed, the token's position and the logits alone."""
 
     @property
     def greedy(self) -> bool:
@@ -53,6 +56,9 @@ class BatchSampling:
     min_p: torch.Tensor
     generators: list[tuple[int, torch.Generator]]
     """(position within ``sampled``, generator) of seeded rows."""
+    fused: FusedSampling | None = None
+    """The rows' settings for the in-graph sampler; None when a row filters its distribution
+    (top-k / top-p / min-p), which only :func:`sample_next` does."""
 
     @classmethod
     def build(cls, rows: Sequence[RowSampling], device: torch.device) -> BatchSampling:
@@ -71,7 +77,25 @@ class BatchSampling:
             min_p=torch.tensor([sub[k].min_p for k in filtered], device=device,
                                dtype=torch.float64),
             generators=[(k, r.generator) for k, r in enumerate(sub) if r.generator is not None],
+            fused=None if filtered else FusedSampling(
+                temperatures=torch.tensor([0.0 if r.greedy else r.temperature for r in rows],
+                                          device=device),
+                seeds=torch.tensor([r.seed for r in rows], dtype=torch.long, device=device)),
         )
+
+
+@dataclass
+class FusedSampling:
+    """Per-row inputs of the fused GPU sampler that runs inside the decode step's CUDA graph
+    (:func:`megarl.rollout.local.sampling_triton.gumbel_sample`): the same distribution as
+    :func:`sample_next` for rows without top-k / top-p / min-p (exact Gumbel-max sampling from
+    ``softmax(logits / temperature)``, the same reported log-prob), with each draw keyed by the
+    row's seed and the token's position instead of a sequential random stream."""
+
+    temperatures: torch.Tensor
+    """``[B]`` fp32; 0 for greedy rows."""
+    seeds: torch.Tensor
+    """``[B]`` int64: :attr:`RowSampling.seed` of each row."""
 
 
 def filter_probs(probs: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -25,6 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megarl.rollout.local.fused_projections import FusedLayer
+from megarl.rollout.local.sampling import FusedSampling
+
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -134,6 +137,28 @@ def _triton_kernels():
     return triton_kernels()
 
 
+def _decode_kernels():
+    """:mod:`~megarl.rollout.local.decode_triton` where Triton runs (CUDA), else None."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from megarl.rollout.local import decode_triton
+    except ImportError:
+        return None
+    return decode_triton
+
+
+def _fused_sampler():
+    """:func:`~megarl.rollout.local.sampling_triton.gumbel_sample` where Triton runs (CUDA)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        from megarl.rollout.local.sampling_triton import gumbel_sample
+    except ImportError:
+        return None
+    return gumbel_sample
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -153,6 +178,17 @@ class _Graph:
     positions: torch.Tensor
     logits: torch.Tensor
     routes: torch.Tensor | None
+    temperatures: torch.Tensor | None = None
+    seeds: torch.Tensor | None = None
+    picks: torch.Tensor | None = None
+    """``[2, rows]`` fp64: the tokens and log-probs drawn by the fused sampler."""
+    inputs: torch.Tensor | None = None
+    """``[2, rows]`` int64 on the device: ``tokens`` and ``positions`` are its rows."""
+    staged: torch.Tensor | None = None
+    """``inputs`` in pinned host memory: the next replay's tokens and positions, which one
+    asynchronous copy moves to the device."""
+    sampling: FusedSampling | None = None
+    """The sampler inputs last copied into ``temperatures`` / ``seeds``."""
 
 
 class NativeDecoder:
@@ -184,6 +220,14 @@ class NativeDecoder:
         """Triton RoPE / SwiGLU and all-experts MoE decode (CUDA; checked on first decode)."""
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
+        self._fused: list[FusedLayer] | None = None
+        """Per layer, the q/k/v (and dense gate/up) weights as one tensor (CUDA; built on first
+        use and again after :meth:`release`, since moving the model re-allocates weights)."""
+        self._decode_kernels = _decode_kernels() if self.device.type == "cuda" else None
+        self._sampler = _fused_sampler() if self.device.type == "cuda" else None
+        self.fused_sampling = self._sampler is not None
+        """Whether decode steps draw the next tokens themselves (the fused Triton sampler on
+        CUDA, inside the step's CUDA graph; checked against torch on the first decode)."""
 
     @property
     def rows(self) -> int:
@@ -213,7 +257,14 @@ class NativeDecoder:
         self.clear()
         self._graphs.clear()
         self._pool = None
+        self._fused = None
         self.cache.free()
+
+    def _fused_layers(self) -> list[FusedLayer] | None:
+        """The layers' fused projections (built now if needed; None off CUDA)."""
+        if self._fused is None and self.device.type == "cuda":
+            self._fused = [FusedLayer.of(layer) for layer in self.layers]
+        return self._fused
 
     def _longest(self) -> int:
         return int(self.lengths.max()) if self.rows else 0
@@ -240,28 +291,86 @@ class NativeDecoder:
             return self._kernels.rope_pair(q, k, cos[:, 0], sin[:, 0], 0, 1.0)
         return _rope(q, *tables), _rope(k, *tables)
 
-    def _layer(self, layer: nn.Module, h: torch.Tensor, tables, attend, routes: list,
-               decode: bool = False) -> torch.Tensor:
+    def _layer(self, index: int, h: torch.Tensor, tables, attend, routes: list,
+               step: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """One decoder layer on ``h [n, H]``; ``step`` holds a decode step's cache slots and
+        positions (None in the prefill)."""
+        layer = self.layers[index]
+        fused = self._fused_layers()
+        fused = fused[index] if fused is not None else None
         attn, n = layer.self_attn, h.shape[0]
         x = self._norm(layer.input_layernorm, h)
-        q = attn.q_proj(x).view(n, -1, self.head_dim)
-        k = attn.k_proj(x).view(n, -1, self.head_dim)
-        v = attn.v_proj(x).view(n, -1, self.head_dim)
-        if hasattr(attn, "q_norm"):
-            q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+        if fused is not None and fused.qkv is not None:
+            q, k, v = (t.unflatten(-1, (-1, self.head_dim))
+                       for t in F.linear(x, *fused.qkv).split(fused.qkv_sizes, dim=-1))
+        else:
+            q = attn.q_proj(x).view(n, -1, self.head_dim)
+            k = attn.k_proj(x).view(n, -1, self.head_dim)
+            v = attn.v_proj(x).view(n, -1, self.head_dim)
         # the prefill runs before the first decode step checks the fast kernels
-        fast = self.fast_kernels and (decode or self._fast_checked)
-        q, k = self._rotate(q, k, tables, fast)
-        h = h + attn.o_proj(attend(q, k, v))
+        fast = self.fast_kernels and (step is not None or self._fast_checked)
+        q_in = self._fused_attention_input(index, attn, q, k, v, tables, step) if fast else None
+        if q_in is not None:  # K and V are in the cache already
+            h = h + attn.o_proj(attend(q_in, None, None))
+        else:
+            if hasattr(attn, "q_norm"):
+                q, k = self._norm(attn.q_norm, q), self._norm(attn.k_norm, k)
+            q, k = self._rotate(q, k, tables, fast)
+            h = h + attn.o_proj(attend(q, k, v))
         x = self._norm(layer.post_attention_layernorm, h)
         mlp = layer.mlp
         if not hasattr(mlp, "experts"):
+            if fused is not None and fused.gate_up is not None and self._plain_silu():
+                return h + mlp.down_proj(self._swiglu(F.linear(x, *fused.gate_up)))
             return h + mlp(x)
+        all_experts = step is not None and self._all_experts_ok(mlp.experts, n)
+        dense = self._fused_routing(mlp.gate, x, routes) if all_experts else None
+        if dense is not None:
+            return h + self._all_experts(mlp.experts, x, dense)
         _, weights, experts = mlp.gate(x)
         routes.append(experts)
-        if decode and self._all_experts_ok(mlp.experts, n):
-            return h + self._all_experts(mlp.experts, x, weights, experts)
+        if all_experts:
+            dense = torch.zeros(n, mlp.experts.num_experts, dtype=x.dtype, device=x.device)
+            return h + self._all_experts(mlp.experts, x, dense.scatter_(1, experts,
+                                                                         weights.to(x.dtype)))
         return h + mlp.experts(x, experts, weights)
+
+    def _fused_attention_input(self, index: int, attn: nn.Module, q: torch.Tensor,
+                               k: torch.Tensor, v: torch.Tensor, tables,
+                               step: dict[str, torch.Tensor] | None) -> torch.Tensor | None:
+        """In a decode step: q/k RMSNorm, RoPE and the K/V cache write in one Triton launch;
+        returns the queries (None where the kernel does not apply: the caller does it)."""
+        kernels = self._decode_kernels
+        if step is None or kernels is None:
+            return None
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        cos, sin = tables
+        args = (q, k, v, None if q_norm is None else q_norm.weight,
+                None if k_norm is None else k_norm.weight, cos[:, 0], sin[:, 0],
+                self.cache.keys[index], self.cache.values[index], step["slots"],
+                step["positions"])
+        if not kernels.qk_norm_rope_cache_supported(*args):
+            return None
+        eps = q_norm.variance_epsilon if q_norm is not None else 0.0
+        return kernels.qk_norm_rope_cache(*args[:5], eps, *args[5:])
+
+    def _fused_routing(self, gate: nn.Module, x: torch.Tensor, routes: list
+                       ) -> torch.Tensor | None:
+        """HF's top-k router (softmax, top-k, renormalisation) as one Triton launch after its
+        linear: the dense ``[n, E]`` weights (the chosen experts go to ``routes``), or None
+        where it does not apply."""
+        kernels = self._decode_kernels
+        if kernels is None or not (hasattr(gate, "top_k") and hasattr(gate, "norm_topk_prob")):
+            return None
+        logits = F.linear(x, gate.weight)
+        if not kernels.route_topk_supported(logits, gate.top_k):
+            return None
+        dense, chosen = kernels.route_topk(logits, gate.top_k, gate.norm_topk_prob)
+        routes.append(chosen)
+        return dense
+
+    def _plain_silu(self) -> bool:
+        return getattr(self.model.config, "hidden_act", None) == "silu"
 
     def _all_experts_ok(self, experts: nn.Module, rows: int) -> bool:
         """Whether a decode step runs every expert on every row (few rows: the same weight
@@ -272,17 +381,15 @@ class NativeDecoder:
                 and getattr(self.model.config, "hidden_act", None) == "silu"
                 and rows * experts.num_experts <= ALL_EXPERTS_ROWS)
 
-    def _all_experts(self, experts: nn.Module, x: torch.Tensor, weights: torch.Tensor,
-                     chosen: torch.Tensor) -> torch.Tensor:
-        """Every expert on every row, summed with the router weights (zero for experts a row
-        did not choose): two GEMMs over all experts' weights and a weighted sum."""
+    def _all_experts(self, experts: nn.Module, x: torch.Tensor,
+                     dense: torch.Tensor) -> torch.Tensor:
+        """Every expert on every row, summed with the router weights ``dense [n, E]`` (zero for
+        experts a row did not choose): two GEMMs over all experts' weights and a weighted sum."""
         n, num = x.shape[0], experts.num_experts
         up_w = experts.gate_up_proj  # [E, 2I, H]
         gate_up = F.linear(x, up_w.view(-1, up_w.shape[-1])).view(n * num, up_w.shape[1])
         act = self._swiglu(gate_up).view(n, num, -1).transpose(0, 1)  # [E, n, I]
         out = torch.bmm(act, experts.down_proj.transpose(1, 2))  # [E, n, H]
-        dense = torch.zeros(n, num, dtype=x.dtype, device=x.device).scatter_(
-            1, chosen, weights.to(x.dtype))
         return torch.bmm(dense[:, None, :], out.transpose(0, 1))[:, 0]
 
     def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -322,8 +429,8 @@ class NativeDecoder:
             return out.transpose(1, 2).reshape(n * width, -1)
 
         routes: list[torch.Tensor] = []
-        for layer in self.layers:
-            h = self._layer(layer, h, tables, attend, routes)
+        for index in range(len(self.layers)):
+            h = self._layer(index, h, tables, attend, routes)
         last = (lengths - 1 + torch.arange(n) * width).to(self.device)
         logits = self._head(h.index_select(0, last))
         left = None
@@ -340,8 +447,9 @@ class NativeDecoder:
         """Write this step's K/V at each row's position, then attend over the row's tokens."""
         rows, positions = q.shape[0], step["positions"]
         kc, vc = self.cache.keys[index], self.cache.values[index]
-        kc[step["slots"], positions] = k
-        vc[step["slots"], positions] = v
+        if k is not None:  # (None: the fused attention-input kernel wrote them)
+            kc[step["slots"], positions] = k
+            vc[step["slots"], positions] = v
         if self.flash:
             out = torch.ops.aten._flash_attention_forward(
                 q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), step["cu_q"],
@@ -356,8 +464,11 @@ class NativeDecoder:
         out = torch.einsum("bkgt,btkd->bkgd", probs, vals).to(q.dtype)
         return out.reshape(rows, -1)
 
-    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int):
-        """One decode step of all rows: (logits ``[rows, V]`` fp32, routes ``[rows, L, K]``)."""
+    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int,
+              sampling: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """One decode step of all rows: logits ``[rows, V]`` fp32, routes ``[rows, L, K]`` and,
+        with ``sampling`` (temperatures, seeds), the drawn tokens and their log-probs as
+        ``[2, rows]`` fp64."""
         h = self.model.model.embed_tokens(tokens)
         tables = self._tables(h, positions)
         rows = tokens.shape[0]
@@ -366,29 +477,43 @@ class NativeDecoder:
                 "cu_q": cu_q, "cu_k": cu_q * self.cache.len_cap,
                 "used": (positions + 1).to(torch.int32)}
         routes: list[torch.Tensor] = []
-        for index, layer in enumerate(self.layers):
+        for index in range(len(self.layers)):
             attend = (lambda q, k, v, i=index: self._attend_decode(i, q, k, v, step, span))
-            h = self._layer(layer, h, tables, attend, routes, decode=True)
-        return self._head(h), (torch.stack(routes, dim=1) if routes else None)
+            h = self._layer(index, h, tables, attend, routes, step)
+        logits = self._head(h)
+        picks = None
+        if sampling is not None:
+            drawn, logprobs = self._sampler(logits, sampling[0], sampling[1], positions)
+            picks = torch.stack([drawn.double(), logprobs.double()])
+        return logits, (torch.stack(routes, dim=1) if routes else None), picks
 
     @torch.no_grad()
-    def decode(self, tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Feed one token per running row: next-token logits ``[rows, V]`` fp32 and the fed
-        tokens' routes ``[rows, L, K]`` (None for dense models)."""
+    def decode(self, tokens: list[int], sampling: FusedSampling | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None, tuple[list, list] | None]:
+        """Feed one token per running row: next-token logits ``[rows, V]`` fp32, the fed
+        tokens' routes ``[rows, L, K]`` (None for dense models) and, with ``sampling`` (when
+        :attr:`fused_sampling`), the next tokens and their log-probs drawn in the step."""
         rows = self.rows
         self._ensure(rows, self._longest() + 1, rows)
         ids = torch.tensor(tokens, dtype=torch.long)
-        if (self.flash or self.fast_kernels) and not self._fast_checked:
+        if (self.flash or self.fast_kernels or self.fused_sampling) and not self._fast_checked:
             self._check_fast_paths(ids)
+        if not self.fused_sampling:
+            sampling = None
         if self.use_graphs and self._bucket_graph() is None:
             self.use_graphs = False
         if self.use_graphs:
-            logits, routes = self._replay(ids)
+            logits, routes, picks = self._replay(ids, sampling)
         else:
             positions = self.lengths.to(self.device)
-            logits, routes = self._step(ids.to(self.device), positions, self._longest() + 1)
+            inputs = None if sampling is None else (sampling.temperatures, sampling.seeds)
+            logits, routes, picks = self._step(ids.to(self.device), positions,
+                                               self._longest() + 1, inputs)
         self.lengths = self.lengths + 1
-        return logits, routes
+        if picks is None:
+            return logits, routes, None
+        picks = picks.cpu()  # the step's one device synchronisation
+        return logits, routes, (picks[0].long().tolist(), picks[1].float().tolist())
 
     def _check_fast_paths(self, ids: torch.Tensor) -> None:
         """Run the first decode step with the fast kernels (FlashAttention, Triton RoPE and
@@ -397,19 +522,31 @@ class NativeDecoder:
         self._fast_checked = True
         positions = self.lengths.to(self.device)
         span = self._longest() + 1
+        greedy = (torch.zeros(len(ids), device=self.device),
+                  torch.zeros(len(ids), dtype=torch.long, device=self.device))
         try:
-            fast, _ = self._step(ids.to(self.device), positions, span)
+            fast, _, picks = self._step(ids.to(self.device), positions, span,
+                                        greedy if self.fused_sampling else None)
         except (RuntimeError, TypeError) as err:
             logger.warning("fast decode kernels failed (%s); using the reference path", err)
-            self.flash = self.fast_kernels = False
+            self.flash = self.fast_kernels = self.fused_sampling = False
             return
         flash, self.flash, self.fast_kernels = self.flash, False, False
-        ref, _ = self._step(ids.to(self.device), positions, span)
+        ref, _, _ = self._step(ids.to(self.device), positions, span)
         error = float((fast - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
         ok = error < 0.05
         self.flash, self.fast_kernels = flash and ok, ok
         logger.info("fast decode kernels vs reference: relative max error %.2e (%s)", error,
                     "using them" if ok else "using the reference path")
+        if picks is not None:  # greedy picks and log-probs of the fused sampler vs torch
+            expected = torch.log_softmax(fast, dim=-1)
+            tokens_ok = torch.equal(picks[0].long(), fast.argmax(dim=-1))
+            lp_error = float((picks[1] - expected.gather(1, picks[0].long()[:, None])[:, 0])
+                             .abs().max())
+            self.fused_sampling = tokens_ok and lp_error < 1e-3
+            logger.info("fused sampler vs torch: picks %s, log-prob error %.1e (%s)",
+                        "equal" if tokens_ok else "differ", lp_error,
+                        "using it" if self.fused_sampling else "sampling with torch")
 
     def _bucket_graph(self) -> _Graph | None:
         """The graph for the running rows' bucket, captured on first use (None if capture
@@ -425,34 +562,53 @@ class NativeDecoder:
             self._graphs[bucket] = graph
         return graph
 
-    def _replay(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _replay(self, ids: torch.Tensor, sampling: FusedSampling | None):
         rows = self.rows
         graph = self._graphs[_bucket(rows)]
-        graph.tokens[:rows].copy_(ids)
-        graph.tokens[rows:].zero_()
-        graph.positions[:rows].copy_(self.lengths)
-        graph.positions[rows:].fill_(self.cache.len_cap - 1)  # padded rows write to scratch
+        staged = graph.staged
+        staged[0, :rows] = ids
+        staged[0, rows:] = 0
+        staged[1, :rows] = self.lengths
+        staged[1, rows:] = self.cache.len_cap - 1  # padded rows write to the scratch column
+        # the pinned buffer is written again only after this step's results reached the host
+        graph.inputs.copy_(staged, non_blocking=True)
+        if graph.temperatures is not None and sampling is not graph.sampling:
+            graph.sampling = sampling
+            if sampling is None:
+                graph.temperatures.zero_()
+            else:
+                graph.temperatures[:rows].copy_(sampling.temperatures)
+                graph.temperatures[rows:].zero_()
+                graph.seeds[:rows].copy_(sampling.seeds)
         graph.graph.replay()
         routes = None if graph.routes is None else graph.routes[:rows]
-        return graph.logits[:rows], routes
+        picks = None if sampling is None or graph.picks is None else graph.picks[:, :rows]
+        return graph.logits[:rows], routes, picks
 
     def _capture(self, bucket: int) -> _Graph:
         """Capture the decode step for ``bucket`` rows (warm-up on a side stream first)."""
-        tokens = torch.zeros(bucket, dtype=torch.long, device=self.device)
-        positions = torch.full((bucket,), self.cache.len_cap - 1, dtype=torch.long,
-                               device=self.device)
+        inputs = torch.zeros(2, bucket, dtype=torch.long, device=self.device)
+        tokens, positions = inputs[0], inputs[1]
+        positions.fill_(self.cache.len_cap - 1)
         span = self.cache.len_cap
+        sampling = None
+        if self.fused_sampling:
+            sampling = (torch.zeros(bucket, device=self.device),
+                        torch.zeros(bucket, dtype=torch.long, device=self.device))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._step(tokens, positions, span)
+            self._step(tokens, positions, span, sampling)
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, routes = self._step(tokens, positions, span)
-        return _Graph(graph, tokens, positions, logits, routes)
+            logits, routes, picks = self._step(tokens, positions, span, sampling)
+        temperatures, seeds = sampling if sampling is not None else (None, None)
+        staged = torch.empty(2, bucket, dtype=torch.long, pin_memory=True)
+        return _Graph(graph, tokens, positions, logits, routes, temperatures, seeds, picks,
+                      inputs, staged)
 
 
 def _bucket(rows: int) -> int:
