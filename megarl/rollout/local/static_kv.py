@@ -18,6 +18,7 @@ used at once; only the attention and the layer loop are its own:
 
 from __future__ import annotations
 
+import importlib
 import logging
 from dataclasses import dataclass
 
@@ -137,26 +138,14 @@ def _triton_kernels():
     return triton_kernels()
 
 
-def _decode_kernels():
-    """:mod:`~megarl.rollout.local.decode_triton` where Triton runs (CUDA), else None."""
+def _cuda_module(name: str):
+    """``megarl.rollout.local.<name>`` (a Triton module) where CUDA and Triton are, else None."""
     if not torch.cuda.is_available():
         return None
     try:
-        from megarl.rollout.local import decode_triton
+        return importlib.import_module(f"megarl.rollout.local.{name}")
     except ImportError:
         return None
-    return decode_triton
-
-
-def _fused_sampler():
-    """:func:`~megarl.rollout.local.sampling_triton.gumbel_sample` where Triton runs (CUDA)."""
-    if not torch.cuda.is_available():
-        return None
-    try:
-        from megarl.rollout.local.sampling_triton import gumbel_sample
-    except ImportError:
-        return None
-    return gumbel_sample
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -223,8 +212,9 @@ class NativeDecoder:
         self._fused: list[FusedLayer] | None = None
         """Per layer, the q/k/v (and dense gate/up) weights as one tensor (CUDA; built on first
         use and again after :meth:`release`, since moving the model re-allocates weights)."""
-        self._decode_kernels = _decode_kernels() if self.device.type == "cuda" else None
-        self._sampler = _fused_sampler() if self.device.type == "cuda" else None
+        self._decode_kernels = _cuda_module("decode_triton") if self.device.type == "cuda" else None
+        sampling = _cuda_module("sampling_triton") if self.device.type == "cuda" else None
+        self._sampler = None if sampling is None else sampling.gumbel_sample
         self.fused_sampling = self._sampler is not None
         """Whether decode steps draw the next tokens themselves (the fused Triton sampler on
         CUDA, inside the step's CUDA graph; checked against torch on the first decode)."""
