@@ -112,6 +112,22 @@ def test_settings_the_trainer_does_not_run_yet_are_refused(assets, tmp_path, cap
     assert "checkpoint_engine.backend: the trainer streams weights" in capsys.readouterr().err
 
 
+def test_ray_mode_under_a_torchrun_of_several_processes_is_refused(assets, tmp_path, capsys,
+                                                                     monkeypatch):
+    """Every torchrun process would start a Ray job of its own; naive mode is meant."""
+    from megarl.trainer import train_main
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = [f"model.path={assets / 'model'}", f"data.train_files=[{assets / 'data/train.parquet'}]",
+            f"data.val_files=[{assets / 'data/val.parquet'}]", f"trainer.output_dir={tmp_path}"]
+    assert train_main(["--config", str(DEMO_CONFIG), *base]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.worker_group: ray, but this driver is one of 2 processes started by " \
+           "torchrun" in err and "set trainer.worker_group=naive" in err
+    assert not any(tmp_path.iterdir())  # refused before anything started or was written
+
+
 def test_ppo_with_a_critic_runs_gae(assets, tmp_path):
     """algorithm.adv_estimator=gae: a Megatron critic (EP=2, next to the actor on the train
     pool) gives values; advantages and returns come from GAE; the critic is updated and its
