@@ -134,6 +134,8 @@ def test_two_pools_give_distinct_deterministic_ranks(pools, groups):
     assert rid["env"]["MEGARL_TEST_ENV"] is None
     assert rid["env"]["MASTER_PORT"] != ids[0]["env"]["MASTER_PORT"]
     assert len({i["pid"] for i in ids} | {rid["pid"]}) == 3
+    # Workers compete for CPU on equal terms with the driver (Ray's default is niceness 15).
+    assert {i["niceness"] for i in ids} | {rid["niceness"]} == {os.nice(0)}
     # Each worker's stdout went to its own log file.
     for rank, path in enumerate(train.log_paths):
         assert path.endswith(f"train_rank{rank}.log")
