@@ -544,9 +544,16 @@ def train_main(argv: list[str]) -> int:
         return 2
     cfg, sources = loaded
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if cfg.trainer.worker_group == "naive":
-        from megarl.cluster import init_naive
+    from megarl.cluster import init_naive, torchrun_world_size
 
+    launched = torchrun_world_size()
+    if cfg.trainer.worker_group == "ray" and launched > 1:
+        print(f"error: trainer.worker_group: ray, but this driver is one of {launched} processes "
+              "started by torchrun, and each would start a Ray job of its own — run `megarl "
+              "train` without torchrun for Ray mode, or set trainer.worker_group=naive",
+              file=sys.stderr)
+        return 2
+    if cfg.trainer.worker_group == "naive":
         init_naive(timeout_s=cfg.trainer.phase_timeout_s)
     from megarl.data.dataset import DatasetError
 

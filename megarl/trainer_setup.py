@@ -44,6 +44,9 @@ class Workers:
     started_ray: bool = False
     critic: CriticWorkers | None = None
     """The value model's workers (``algorithm.adv_estimator=gae``), on the train pool."""
+    pools: dict[str, Any] | None = None
+    """The Ray resource pools the workers run on (None in the no-Ray mode); removed at
+    shutdown, so a later job of the same driver or cluster gets their resources."""
 
 
 def actor_spec(cfg: RunConfig) -> ActorSpec:
@@ -212,19 +215,39 @@ def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
     log_dir = output_dir / "logs"
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if device == "cpu" else {}
     timeout = cfg.trainer.phase_timeout_s
-    actor = RayWorkerGroup(ActorWorker, pools["train_pool"], "actor", log_dir=log_dir,
-                           args=(actor_spec(cfg),), env=env, echo_logs=False,
-                           call_timeout_s=timeout)
-    rollout = RayWorkerGroup(RolloutServerWorker, pools["rollout_pool"], "rollout",
-                             log_dir=log_dir, args=(engine_spec(cfg, log_dir),), env=env,
-                             echo_logs=False, call_timeout_s=timeout)
+
+    def start_actor() -> RayWorkerGroup:
+        return RayWorkerGroup(ActorWorker, pools["train_pool"], "actor", log_dir=log_dir,
+                              args=(actor_spec(cfg),), env=env, echo_logs=False,
+                              call_timeout_s=timeout)
+
+    def start_rollout() -> RayWorkerGroup:
+        return RayWorkerGroup(RolloutServerWorker, pools["rollout_pool"], "rollout",
+                              log_dir=log_dir, args=(engine_spec(cfg, log_dir),), env=env,
+                              echo_logs=False, call_timeout_s=timeout)
+
+    if colocate:  # the actor takes its memory first; the engines fit in what is left
+        actor = start_actor()
+        rollout = start_rollout()
+    else:
+        # A rollout worker only launches its server: the engines load their weights while the
+        # Megatron ranks build (wait_ready below waits for them).
+        rollout = start_rollout()
+        actor = start_actor()
     critic = (start_critic(cfg, pool=pools["train_pool"], log_dir=log_dir, env=env)
               if cfg.critic.enabled else None)
     urls = [u for u in rollout.execute_all("wait_ready") if u]
     workers = _assemble(cfg, actor, rollout, urls, True, device, rollout.world_size,
                         runtime.started_here)
     workers.critic = critic
+    workers.pools = pools
     return workers
+
+
+def _remove_pools(pools: dict[str, Any]) -> None:
+    """Release the pools' placement groups (a colocated pool is listed twice, removed once)."""
+    for pool in {id(p): p for p in pools.values()}.values():
+        pool.remove()
 
 
 def _assemble(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
@@ -306,6 +329,8 @@ def shutdown_workers(workers: Workers, loop: asyncio.AbstractEventLoop) -> None:
         workers.actor.shutdown()
         if workers.critic is not None:
             workers.critic.group.shutdown()
+        if workers.pools is not None:
+            _remove_pools(workers.pools)
         if workers.started_ray:
             import ray
 

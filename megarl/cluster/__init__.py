@@ -14,7 +14,13 @@ from megarl.cluster.errors import (
     WorkerError,
     WorkerTimeoutError,
 )
-from megarl.cluster.naive import NaiveCall, NaiveContext, NaiveWorkerGroup, init_naive
+from megarl.cluster.naive import (
+    NaiveCall,
+    NaiveContext,
+    NaiveWorkerGroup,
+    init_naive,
+    torchrun_world_size,
+)
 from megarl.cluster.pools import ResourcePool, create_pools, create_resource_pool, resolve_device
 from megarl.cluster.ray_init import RayRuntime, find_local_ray, init_ray, write_timeline
 from megarl.cluster.worker import CallHandle, Worker, WorkerGroup, WorkerInfo
@@ -25,5 +31,5 @@ __all__ = [
     "PoolSchedulingError", "RayRuntime", "RayStartError", "RayWorkerGroup", "ResourcePool",
     "Worker", "WorkerDiedError", "WorkerError", "WorkerGroup", "WorkerInfo",
     "WorkerTimeoutError", "create_pools", "create_resource_pool", "find_local_ray", "init_naive",
-    "init_ray", "resolve_device", "write_timeline",
+    "init_ray", "resolve_device", "torchrun_world_size", "write_timeline",
 ]

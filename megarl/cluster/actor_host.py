@@ -5,6 +5,13 @@
 ``construct`` (instantiate the worker class). After that every call goes through
 :meth:`call_packed`, which turns an exception into a :class:`~megarl.cluster.errors.WorkerError`
 carrying the rank, the host and the whole traceback.
+
+A Ray worker inherits the environment of whoever started Ray. When that was a process launched
+by torchrun (a driver under torchrun, or ``ray start`` inside a torchrun job), the worker would
+carry torchrun's rendezvous variables; ``TORCHELASTIC_USE_AGENT_STORE=True`` among them makes
+``init_process_group`` connect every rank, rank 0 included, as a client to a store that nobody
+serves, and the group's rendezvous hangs. The host drops them (:data:`LAUNCHER_ENV`) before it
+applies the group's ``env`` and, at ``setup``, the group's own rendezvous.
 """
 
 from __future__ import annotations
@@ -23,11 +30,21 @@ from megarl.cluster.worker import Worker, WorkerInfo
 
 STACK_DUMP_MARKER = "=== megarl: stack dump of every thread"
 
+LAUNCHER_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+    "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_ERROR_FILE",
+)
+"""What torchrun sets for its children: never inherited by a worker (the module's docstring)."""
+
 
 class WorkerHost:
     """One worker process: placement report, rendezvous set-up, and calls into the worker."""
 
     def __init__(self, role: str, env: dict[str, str]) -> None:
+        for name in LAUNCHER_ENV:
+            os.environ.pop(name, None)
         os.environ.update(env)
         self._role = role
         self._info: WorkerInfo | None = None

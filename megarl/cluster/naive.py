@@ -110,6 +110,14 @@ def init_naive(backend: str | None = None, timeout_s: float = 1800.0) -> NaiveCo
     return _CONTEXT
 
 
+def torchrun_world_size() -> int:
+    """How many processes the torchrun that launched this one started (1 when not under
+    torchrun)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return 1
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 class NaiveCall:
     """A call already run on the local worker; ``get`` exchanges the outcomes of all ranks."""
 

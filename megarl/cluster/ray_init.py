@@ -5,6 +5,12 @@ none looks for a Ray instance already running on this node and attaches to it (o
 ``on_existing="error"``, stops with a message saying how to stop it) before starting a new local
 one. A stale instance that cannot be joined is reported with its process id and ``ray stop``.
 ``on_existing="start"`` starts a separate instance next to it (tests that must not share one).
+
+A local instance started here runs its workers at the driver's priority. Ray's default lowers
+every worker process to niceness 15: the train ranks and engines then get a few percent of a CPU
+that anything else at normal priority wants (megarl's own driver and reward processes, another
+job), so on a busy machine each phase runs many times slower than the same step without Ray and
+runs into its timeout.
 """
 
 from __future__ import annotations
@@ -127,7 +133,7 @@ def init_ray(
     try:
         # "local": a new instance even where `ray start` left an address for ray.init to join.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=include_dashboard,
-                 namespace=namespace)
+                 namespace=namespace, _system_config={"worker_niceness": 0})
     except Exception as err:
         existing = find_local_ray()
         hint = (_how_to_stop(existing) if existing else

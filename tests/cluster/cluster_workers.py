@@ -22,10 +22,11 @@ class EchoWorker(Worker):
     def identity(self) -> dict:
         """Rank, sizes, rendezvous env and host of this worker."""
         keys = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MEGARL_ROLE",
-                "MEGARL_TEST_ENV")
+                "MEGARL_TEST_ENV", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")
         return {"rank": self.rank, "world_size": self.world_size, "local_rank": self.local_rank,
                 "role": self.role, "tag": self.tag, "pid": os.getpid(),
-                "hostname": socket.gethostname(), "env": {k: os.environ.get(k) for k in keys}}
+                "hostname": socket.gethostname(), "niceness": os.nice(0),
+                "env": {k: os.environ.get(k) for k in keys}}
 
     def echo(self, *args, **kwargs) -> tuple:
         """The arguments this rank received, with its rank."""

@@ -42,15 +42,35 @@ BUNDLE_CPUS = 0.5
 TIMINGS: dict[str, float] = {}
 
 
+# What torchrun gives the processes it starts (torch.distributed.elastic's local agent).
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29400", "GROUP_RANK": "0",
+                "ROLE_RANK": "0", "ROLE_NAME": "default", "TORCHELASTIC_RUN_ID": "test",
+                "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+
+
 @pytest.fixture(scope="module")
 def ray_runtime():
-    """A fresh local Ray of 3 logical CPUs whose workers can import cluster_workers."""
+    """A fresh local Ray of 3 logical CPUs whose workers can import cluster_workers.
+
+    It is started with torchrun's environment, as when the driver runs under torchrun, so every
+    Ray worker inherits it: the worker groups must not take that launcher's rendezvous for
+    their own (TORCHELASTIC_USE_AGENT_STORE made every rank a store client: gloo hung)."""
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, str(HERE))
     start = time.monotonic()
-    runtime = init_ray(num_cpus=3, on_existing="start")
+    saved = {k: os.environ.get(k) for k in TORCHRUN_ENV}
+    os.environ.update(TORCHRUN_ENV)
+    try:
+        runtime = init_ray(num_cpus=3, on_existing="start")
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     TIMINGS["ray_init_s"] = time.monotonic() - start
     yield runtime
     ray.shutdown()
@@ -99,6 +119,9 @@ def test_two_pools_give_distinct_deterministic_ranks(pools, groups):
     assert {i["env"]["MEGARL_ROLE"] for i in ids} == {"train"}
     assert {i["env"]["MEGARL_TEST_ENV"] for i in ids} == {"on"}
     assert {i["tag"] for i in ids} == {"t"}
+    # Ray was started with torchrun's environment; none of it reaches the workers.
+    assert {i["env"]["TORCHELASTIC_USE_AGENT_STORE"] for i in ids} == {None}
+    assert {i["env"]["TORCHELASTIC_RUN_ID"] for i in ids} == {None}
     # One rendezvous per group: rank 0's node IP and one port, shared by the group's ranks.
     assert len({(i["env"]["MASTER_ADDR"], i["env"]["MASTER_PORT"]) for i in ids}) == 1
     assert ids[0]["env"]["MASTER_ADDR"] == train.infos[0].node_ip
@@ -111,6 +134,8 @@ def test_two_pools_give_distinct_deterministic_ranks(pools, groups):
     assert rid["env"]["MEGARL_TEST_ENV"] is None
     assert rid["env"]["MASTER_PORT"] != ids[0]["env"]["MASTER_PORT"]
     assert len({i["pid"] for i in ids} | {rid["pid"]}) == 3
+    # Workers compete for CPU on equal terms with the driver (Ray's default is niceness 15).
+    assert {i["niceness"] for i in ids} | {rid["niceness"]} == {os.nice(0)}
     # Each worker's stdout went to its own log file.
     for rank, path in enumerate(train.log_paths):
         assert path.endswith(f"train_rank{rank}.log")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -56,9 +57,16 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results)
         finally:
             _reset_megatron()
     dist.destroy_process_group()
+    results.close()
+    results.join_thread()  # every result is in the pipe
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # skips the interpreter's teardown of torch and megatron: seconds per rank
 
 
 def _reset_megatron() -> None:
+    if "megatron.core" not in sys.modules:
+        return  # nothing to tear down; importing megatron-core here would cost seconds
     from megarl.megatron.parallel import destroy_parallel
 
     destroy_parallel()

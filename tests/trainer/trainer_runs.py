@@ -1,0 +1,128 @@
+"""Real ``megarl train`` runs of the demo for the trainer tests, and comparing their metrics.
+
+Every run is a process of its own (Ray or torchrun, two Megatron ranks, an embedded engine) on
+the same seed in fp32 on CPU, so two runs that must be the same run log the same per-step
+metrics. A killed driver leaves its Ray processes and engine behind, as a real crash would; each
+run carries an environment tag by which :func:`finish` finds and kills them. (A uniquely named
+module: conftest.py names collide across test folders.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megarl.demo import DEMO_CONFIG
+from megarl.metrics.trackers import read_metrics_jsonl
+
+TOTAL_STEPS = 4
+TORCHRUN = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2"]
+# metrics that measure time or depend on it
+VARYING = ("timing/", "throughput/", "perf/", "health/")
+VARYING_SUFFIXES = ("idle_ratio",)
+# engine-vs-trainer log-prob gaps: the engine's batching (which depends on timing) moves its
+# log-probs by ~1e-9, so these are compared to an absolute 1e-6
+ENGINE_GAPS = ("rollout_corr/", "training/rollout_probs_diff")
+
+
+def tag_of(proc: psutil.Process) -> str | None:
+    """The test tag in a process's environment (None when it has none or is gone)."""
+    try:
+        return proc.environ().get("MEGARL_TEST_TAG")
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return None
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process whose environment carries ``tag`` (a crashed run's leftovers)."""
+    for proc in psutil.process_iter(["pid"]):
+        if proc.pid != os.getpid() and tag_of(proc) == tag:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.send_signal(signal.SIGKILL)
+
+
+def start_train(assets: Path, out: Path, *overrides: str, crash: str | None = None,
+                torchrun: bool = False) -> tuple[subprocess.Popen, str]:
+    """A ``megarl train`` process (4 steps, a checkpoint after each; ``torchrun`` launches it
+    under a torchrun of 2 processes) and the environment tag its descendants carry; its output
+    goes to ``out``/../<name>-<tag>.log."""
+    tag = uuid.uuid4().hex
+    env = {**os.environ, "MEGARL_TEST_TAG": tag, "OMP_NUM_THREADS": "1"}
+    env.pop("MEGARL_CRASH_AT", None)
+    if crash:
+        env["MEGARL_CRASH_AT"] = crash
+    launcher = [*TORCHRUN, "-m", "megarl.cli"] if torchrun else [sys.executable, "-m",
+                                                                  "megarl.cli"]
+    args = [*launcher, "train", "--config", str(DEMO_CONFIG),
+            f"model.path={assets / 'model'}", f"data.train_files=[{assets / 'data/train.parquet'}]",
+            f"data.val_files=[{assets / 'data/val.parquet'}]",
+            f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
+            f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_every=1", "trainer.resume=auto",
+            "trainer.keep_last=2", "trainer.phase_timeout_s=120", "ray.address=local",
+            "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+            "actor.ppo_micro_batch_size_per_gpu=8", *overrides]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # a file, not a pipe: processes a crash leaves behind would hold a pipe open
+    log = open(out.parent / f"{out.name}-{tag}.log", "w")  # noqa: SIM115 (closed by the child)
+    with log:
+        proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log_path = Path(log.name)
+    return proc, tag
+
+
+def finish(proc: subprocess.Popen, tag: str, expect_ok: bool) -> tuple[int, str]:
+    """Wait for the run, kill what it left behind; returns (exit code, output)."""
+    try:
+        proc.wait(timeout=600)
+    finally:
+        proc.kill()
+        kill_tagged(tag)
+    output = proc.log_path.read_text()
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"megarl train failed:\n{output[-5000:]}")
+    return proc.returncode, output
+
+
+def train(assets: Path, out: Path, *overrides: str, crash: str | None = None,
+          torchrun: bool = False) -> int:
+    """One ``megarl train`` run; its exit code: 0, or -9 when it crashed as asked."""
+    proc, tag = start_train(assets, out, *overrides, crash=crash, torchrun=torchrun)
+    code, output = finish(proc, tag, expect_ok=crash is None)
+    if crash is not None and code != -signal.SIGKILL:
+        raise AssertionError(f"expected a crash at {crash}, got exit {code}:\n{output[-5000:]}")
+    return code
+
+
+def comparable(rows: list[dict]) -> dict[int, dict[str, float]]:
+    """step -> the metrics that do not depend on time."""
+    return {int(row["step"]): {k: v for k, v in row.items() if k != "step" and v is not None
+                               and not k.startswith(VARYING) and not k.endswith(VARYING_SUFFIXES)}
+            for row in rows}
+
+
+def run_metrics(out: Path) -> dict[int, dict[str, float]]:
+    """The comparable metrics of the run whose output directory is ``out``."""
+    return comparable(read_metrics_jsonl(out / "metrics.jsonl"))
+
+
+def assert_same_metrics(got: dict[int, dict[str, float]],
+                        expected: dict[int, dict[str, float]]) -> int:
+    """Both runs logged the same steps with the same metrics (names and values: rel 1e-6, and
+    absolute 1e-9, or 1e-6 for the engine gaps); returns how many values were compared."""
+    assert sorted(got) == sorted(expected)
+    compared = 0
+    for step, metrics in expected.items():
+        assert set(got[step]) == set(metrics), (step, set(got[step]) ^ set(metrics))
+        for name, value in metrics.items():
+            tolerance = 1e-6 if name.startswith(ENGINE_GAPS) else 1e-9
+            assert got[step][name] == pytest.approx(value, rel=1e-6, abs=tolerance), \
+                (step, name, got[step][name], value)
+            compared += 1
+    return compared
