@@ -141,10 +141,9 @@ class GraphedChunk:
             max_seqlen_kv=bucket.tokens)
         return self.module(bucket.input_ids, bucket.position_ids, None, packed_seq_params=params)
 
-    def _run_backward(self, output: torch.Tensor, grad_output: torch.Tensor,
-                      retain: bool = False) -> tuple[torch.Tensor | None, ...]:
-        return torch.autograd.grad(output, self.params, grad_output, retain_graph=retain,
-                                   allow_unused=True)
+    def _run_backward(self, output: torch.Tensor,
+                      grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return torch.autograd.grad(output, self.params, grad_output, allow_unused=True)
 
     # ----- capture -----
     def _capture(self, bucket: _Bucket) -> None:

@@ -297,8 +297,7 @@ class ModelRunner:
         """Feed one token per running row; returns next-token logits and the fed tokens' routes;
         with ``sampling`` (and :attr:`fused_sampling`) also the next tokens, drawn in the step."""
         if self.native is not None:
-            logits, captured, sampled = self.native.decode(
-                tokens, sampling if self.native.fused_sampling else None)
+            logits, captured, sampled = self.native.decode(tokens, sampling)
             if not routes or captured is None:
                 return ForwardOut(logits, None, sampled)
             return ForwardOut(logits, captured.to("cpu", torch.int32)[:, None], sampled)

@@ -139,9 +139,7 @@ def _triton_kernels():
 
 
 def _cuda_module(name: str):
-    """``megarl.rollout.local.<name>`` (a Triton module) where CUDA and Triton are, else None."""
-    if not torch.cuda.is_available():
-        return None
+    """``megarl.rollout.local.<name>`` (a Triton module for CUDA), or None without Triton."""
     try:
         return importlib.import_module(f"megarl.rollout.local.{name}")
     except ImportError:
@@ -212,8 +210,9 @@ class NativeDecoder:
         self._fused: list[FusedLayer] | None = None
         """Per layer, the q/k/v (and dense gate/up) weights as one tensor (CUDA; built on first
         use and again after :meth:`release`, since moving the model re-allocates weights)."""
-        self._decode_kernels = _cuda_module("decode_triton") if self.device.type == "cuda" else None
-        sampling = _cuda_module("sampling_triton") if self.device.type == "cuda" else None
+        on_cuda = self.device.type == "cuda"
+        self._decode_kernels = _cuda_module("decode_triton") if on_cuda else None
+        sampling = _cuda_module("sampling_triton") if on_cuda else None
         self._sampler = None if sampling is None else sampling.gumbel_sample
         self.fused_sampling = self._sampler is not None
         """Whether decode steps draw the next tokens themselves (the fused Triton sampler on
