@@ -1,0 +1,213 @@
+"""SGLang's ``flattened_bucket`` weight payload: packing, serializing, and safe reading.
+
+A bucket of HF-named tensors travels as one flat uint8 tensor plus per-tensor metadata, the
+layout of SGLang's ``weight_sync/tensor_bucket.py``: every tensor flattened to its bytes and
+concatenated in order, no padding, mixed dtypes allowed. The metadata records (name, shape,
+dtype, start_idx, end_idx, numel) are ``types.SimpleNamespace`` objects: SGLang reads them by
+attribute only, and its allow-listing unpickler accepts ``types.*``, so the trainer needs no
+SGLang installed to build a payload SGLang reads.
+
+``serialize`` writes what SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)``
+writes (a ``ForkingPickler`` pickle, base64): CUDA tensors become CUDA IPC handles whose device
+is the GPU's UUID (as SGLang's ``patch_torch`` does, so a receiver that sees the GPU under
+another index still opens the right one); CPU tensors carry their bytes inline. ``deserialize``
+reads such a string through an allow-list: tensors, dtypes, sizes, the metadata records and the
+CUDA IPC rebuild function, nothing else (a payload naming ``os.system`` or ``eval`` is refused).
+"""
+
+from __future__ import annotations
+
+import base64
+import functools
+import io
+import pickle
+import types
+from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing
+from torch.multiprocessing import reductions
+
+FLATTENED_BUCKET = "flattened_bucket"
+"""The ``load_format`` of SGLang's weight-update endpoints for this payload."""
+
+
+def tensor_meta(name: str, tensor: torch.Tensor, start: int) -> types.SimpleNamespace:
+    """The metadata record of ``tensor`` placed at byte ``start`` of a flat bucket."""
+    numel = tensor.numel() * tensor.element_size()
+    return types.SimpleNamespace(name=name, shape=torch.Size(tensor.shape), dtype=tensor.dtype,
+                                 start_idx=start, end_idx=start + numel, numel=numel)
+
+
+def bucket_metadata(specs: Sequence[tuple[str, Sequence[int], torch.dtype]]
+                    ) -> list[types.SimpleNamespace]:
+    """Metadata of a bucket of (name, shape, dtype) laid out back to back, without tensors."""
+    out, start = [], 0
+    for name, shape, dtype in specs:
+        numel = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        out.append(types.SimpleNamespace(name=name, shape=torch.Size(shape), dtype=dtype,
+                                         start_idx=start, end_idx=start + numel, numel=numel))
+        start += numel
+    return out
+
+
+def flatten_into(buffer: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]
+                 ) -> dict[str, Any]:
+    """Copy ``named`` into the front of the flat uint8 ``buffer``; the payload viewing it."""
+    metadata, start = [], 0
+    for name, tensor in named:
+        meta = tensor_meta(name, tensor, start)
+        if meta.end_idx > buffer.numel():
+            raise ValueError(f"bucket buffer of {buffer.numel()} bytes cannot hold {name} "
+                             f"(needs {meta.end_idx})")
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[meta.start_idx:meta.end_idx].copy_(flat, non_blocking=True)
+        metadata.append(meta)
+        start = meta.end_idx
+    return {"flattened_tensor": buffer[:start], "metadata": metadata}
+
+
+def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """``{"flattened_tensor": uint8 tensor, "metadata": [records]}`` of ``named``, in a new
+    buffer on the tensors' device."""
+    if not named:
+        raise ValueError("a flattened bucket needs at least one tensor")
+    total = sum(t.numel() * t.element_size() for _, t in named)
+    buffer = torch.empty(total, dtype=torch.uint8, device=named[0][1].device)
+    return flatten_into(buffer, named)
+
+
+def unflatten(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """Named views of a flattened bucket (dict metadata records are accepted too)."""
+    def get(obj: Any, key: str) -> Any:
+        return obj[key] if isinstance(obj, dict) else getattr(obj, key)
+
+    flat = payload["flattened_tensor"]
+    out = []
+    for meta in payload["metadata"]:
+        dtype = get(meta, "dtype")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"metadata of {get(meta, 'name')}: dtype {dtype!r} is not a "
+                             "torch.dtype")
+        piece = flat[get(meta, "start_idx"):get(meta, "end_idx")]
+        if piece.storage_offset() % dtype.itemsize:  # mixed dtypes: SGLang itself would fail
+            piece = piece.clone()
+        out.append((str(get(meta, "name")), piece.view(dtype).reshape(tuple(get(meta, "shape")))))
+    return out
+
+
+# ----- serializing -----
+_DEVICE_ARG = 6
+"""Index of the device in the arguments of torch's ``rebuild_cuda_tensor``."""
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _local_device(device: int | str) -> int:
+    """A CUDA device index of this process from an index or a GPU UUID."""
+    if isinstance(device, int):
+        return device
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(index) == device:
+            return index
+    raise ValueError(f"GPU {device} is not visible to this process "
+                     f"(CUDA_VISIBLE_DEVICES gives it {torch.cuda.device_count()} devices); "
+                     "the colocated engine must run on the trainer rank's GPU")
+
+
+class _Pickler(ForkingPickler):
+    """ForkingPickler that names the GPU by UUID and writes CPU tensors' bytes inline."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        if obj.is_cuda:
+            rebuild, args = reductions.reduce_tensor(obj)
+            args = (*args[:_DEVICE_ARG], _device_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
+            return rebuild, args
+        if obj.device.type != "cpu" or obj.dtype != torch.uint8 or obj.dim() != 1:
+            raise TypeError(f"cannot serialize a {obj.dtype} {obj.device.type} tensor of "
+                            f"{obj.dim()} dims inline; flatten it into a uint8 bucket first")
+        data = bytearray(obj.contiguous().numpy().tobytes())
+        return functools.partial(torch.frombuffer, dtype=torch.uint8), (data,)
+
+
+def serialize(obj: Any) -> str:
+    """``obj`` as SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` would
+    write it (base64 of a ForkingPickler pickle), GPUs named by UUID."""
+    buf = io.BytesIO()
+    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _rebuild_cuda_tensor(*args: Any) -> torch.Tensor:
+    """torch's ``rebuild_cuda_tensor`` with the device given as an index or a GPU UUID."""
+    args = (*args[:_DEVICE_ARG], _local_device(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
+    return reductions.rebuild_cuda_tensor(*args)
+
+
+class _SGLangMetadata(types.SimpleNamespace):
+    """Stands in for SGLang's ``FlattenedTensorMetadata`` dataclass when reading its pickles
+    (a pickled dataclass is rebuilt by ``cls.__new__`` and its ``__dict__``)."""
+
+
+def _rebuild_partial(func: Any, args: tuple, keywords: dict) -> functools.partial:
+    """``functools.partial`` as ``ForkingPickler`` writes it (the function passed the
+    allow-list on its own)."""
+    return functools.partial(func, *args, **keywords)
+
+
+def _getattr_frombuffer(owner: Any, name: str) -> Any:
+    """``getattr`` as pickle uses it to name ``torch.frombuffer``, and for nothing else."""
+    if owner is torch._C._VariableFunctionsClass and name == "frombuffer":
+        return torch.frombuffer
+    raise pickle.UnpicklingError(f"refusing getattr({owner!r}, {name!r}) in a weight payload")
+
+
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("types", "SimpleNamespace"): types.SimpleNamespace,
+    ("functools", "partial"): functools.partial,
+    ("multiprocessing.reduction", "_rebuild_partial"): _rebuild_partial,
+    ("builtins", "bytearray"): bytearray,
+    ("torch", "frombuffer"): torch.frombuffer,
+    ("builtins", "getattr"): _getattr_frombuffer,
+    ("torch._C", "_VariableFunctionsClass"): torch._C._VariableFunctionsClass,
+    ("torch", "Size"): torch.Size,
+    ("torch", "Tensor"): torch.Tensor,
+    ("torch._tensor", "Tensor"): torch.Tensor,
+    ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
+    ("torch.storage", "UntypedStorage"): torch.UntypedStorage,
+    ("torch", "UntypedStorage"): torch.UntypedStorage,
+    ("torch", "TypedStorage"): torch.storage.TypedStorage,
+    ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    ("sglang.srt.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
+    ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
+    ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): _SGLangMetadata,
+}
+_DTYPES = {name: getattr(torch, name) for name in (
+    "float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8",
+    "bool", "float8_e4m3fn", "float8_e5m2") if hasattr(torch, name)}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Unpickles only tensors, dtypes, sizes, metadata records and CUDA IPC rebuilds."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and name in _DTYPES:
+            return _DTYPES[name]
+        found = _ALLOWED.get((module, name))
+        if found is None:
+            raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}: a weight "
+                                         "payload holds only tensors and their metadata")
+        return found
+
+
+def deserialize(data: str | bytes) -> Any:
+    """Read a string written by :func:`serialize` or by SGLang's ``MultiprocessingSerializer``,
+    through the allow-list."""
+    raw = base64.b64decode(data, validate=True) if isinstance(data, str) else data
+    return _SafeUnpickler(io.BytesIO(raw)).load()
