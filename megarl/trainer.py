@@ -64,10 +64,11 @@ from megarl.trainer_setup import Workers, build_workers, shutdown_workers
 
 # Config settings whose machinery is not part of this trainer yet: refused, never ignored.
 NOT_BUILT = (
-    ("checkpoint_engine.backend", lambda c: c.checkpoint_engine.backend in ("nixl", "ipc", "disk"),
-     ("the trainer streams weights with SGLang's update_weights_from_distributed (NCCL, gloo on "
-      "CPU); the nixl, ipc and disk transports run in `megarl bench weight-sync` only so far; "
-      "set checkpoint_engine.backend=nccl (or auto)")),
+    ("checkpoint_engine.backend", lambda c: c.checkpoint_engine.backend in ("nixl", "disk"),
+     ("the trainer streams weights over SGLang's protocols: update_weights_from_tensor (ipc, "
+      "colocated) or update_weights_from_distributed (nccl; gloo on CPU); the nixl and disk "
+      "transports run in `megarl bench weight-sync` only so far; set "
+      "checkpoint_engine.backend=auto")),
     ("algorithm.filter_groups.enable", lambda c: c.algorithm.filter_groups.enable
      and c.scheduler.mode != "fully_async",
      ("dynamic sampling is built into scheduler.mode=fully_async only yet; set "

@@ -2,9 +2,10 @@
 
 :func:`build_workers` turns a run config into a :class:`Workers` bundle that the trainer drives;
 :func:`shutdown_workers` stops everything it started. The weight sync set up here follows
-SGLang's distributed protocol (``/init_weights_update_group`` once, then one
-``/update_weights_from_distributed`` per bucket while actor rank 0 broadcasts the tensors), so
-the same code serves SGLang servers and megarl's embedded engines.
+SGLang's protocols: colocated engines take ``/update_weights_from_tensor`` (CUDA IPC handles of
+flattened buckets) from the train ranks on their GPUs; separate pools take
+``/update_weights_from_distributed`` per bucket while actor rank 0 broadcasts it. The same code
+serves SGLang servers and megarl's embedded engines.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config import RunConfig
+from megarl.config.derived import weight_sync_backend
 from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.update import LossSettings
@@ -24,6 +26,8 @@ from megarl.megatron.worker import DTYPES, ActorSpec, ActorWorker
 from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker
 from megarl.rollout.sglang import SGLangClient
 from megarl.trainer_critic import CriticWorkers, start_critic
+from megarl.weights.flattened import FLATTENED_BUCKET
+from megarl.weights.sglang_sender import BucketSpec, plan_buckets
 
 
 @dataclass
@@ -94,42 +98,22 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       colocated=r.colocate, api_key=r.api_key)
 
 
-def plan_buckets(specs: list[tuple[str, list[int]]], dtype: str,
-                 bucket_size_mb: int) -> list[list[tuple[str, list[int]]]]:
-    """Group tensors in export order into buckets of at most ``bucket_size_mb`` (a larger
-    tensor gets a bucket of its own)."""
-    limit = bucket_size_mb * 2**20
-    itemsize = DTYPES[dtype].itemsize
-    buckets: list[list[tuple[str, list[int]]]] = [[]]
-    used = 0
-    for name, shape in specs:
-        size = itemsize
-        for dim in shape:
-            size *= dim
-        if buckets[-1] and used + size > limit:
-            buckets.append([])
-            used = 0
-        buckets[-1].append((name, shape))
-        used += size
-    return [b for b in buckets if b]
-
-
 class _DriverHttp:
     """SGLang control calls issued from a background thread with its own client and event
     loop, so the driver can take part in the collective they pair with (the sender's
     broadcasts run on the calling thread; under torchrun the driver is also actor rank 0)."""
 
     def __init__(self, urls: list[str], calls: Callable[[SGLangClient], Any] | None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, ranks_per_engine: int = 1) -> None:
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._main, args=(urls, calls, api_key),
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._main,
+                                       args=(urls, calls, api_key, ranks_per_engine), daemon=True)
         self.thread.start()
 
     def _main(self, urls: list[str], calls: Callable[[SGLangClient], Any] | None,
-              api_key: str | None) -> None:
+              api_key: str | None, ranks_per_engine: int) -> None:
         async def run() -> None:
-            client = SGLangClient(urls, api_key=api_key)
+            client = SGLangClient(urls, api_key=api_key, ranks_per_engine=ranks_per_engine)
             try:
                 if calls is not None:
                     await calls(client)
@@ -153,20 +137,43 @@ class _DriverHttp:
 
 def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
                  device: str) -> Callable[..., int]:
-    """Open the weight-update group and return the per-step sync function
-    ``sync(version, restart=())``: with ``restart`` (engine indices the client marked down) it
-    first restarts those engines and re-forms the group, which a dead member breaks."""
+    """The per-step sync function ``sync(version, restart=())``, over SGLang's protocol:
+    colocated engines (``checkpoint_engine.backend`` ipc) get ``/update_weights_from_tensor``
+    from the train ranks sharing their GPUs; separate pools (nccl; gloo on CPU) get
+    ``/update_weights_from_distributed`` while train rank 0 broadcasts each bucket. With
+    ``restart`` (engine indices the client marked down) those engines are restarted first (and
+    the broadcast group, which a dead member breaks, is formed again)."""
+    dtype = cfg.rollout.dtype or cfg.model.dtype
+    timeout = cfg.trainer.phase_timeout_s
+    gpus = cfg.rollout.gpus_per_engine
+    plan = plan_buckets(actor.execute_all("weight_specs")[0], DTYPES[dtype].itemsize,
+                        cfg.checkpoint_engine.bucket_size_mb)
+    if weight_sync_backend(cfg) == "ipc":
+        def sync_colocated(version: str, restart: list[int] | tuple[int, ...] = ()) -> int:
+            if restart:
+                rollout.execute_all("restart", [urls[i] for i in restart], timeout)
+            return sum(actor.execute_all("send_weights_colocated", dtype, plan, urls, gpus,
+                                         version, cfg.rollout.api_key, timeout))
+
+        return sync_colocated
+    return _broadcast_sync(cfg, actor, rollout, urls, is_driver, device, plan)
+
+
+def _broadcast_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
+                    device: str, plan: list[BucketSpec]) -> Callable[..., int]:
+    """Open the weight-update group (train rank 0 + every engine GPU: engine i's TP rank r is
+    ``1 + i * gpus_per_engine + r``) and return the broadcast sync function."""
     backend = "nccl" if device == "cuda" else "gloo"
     dtype = cfg.rollout.dtype or cfg.model.dtype
     timeout = cfg.trainer.phase_timeout_s
-    world = 1 + len(urls)
-    buckets = plan_buckets(actor.execute_all("weight_specs")[0], dtype,
-                           cfg.checkpoint_engine.bucket_size_mb)
+    gpus = cfg.rollout.gpus_per_engine
+    world = 1 + len(urls) * gpus
 
     def open_group(members: list[str]) -> None:
         address, port = actor.execute_all("weight_group_address")[0]
         join_group = _DriverHttp(members, (lambda c: c.init_weights_update_group(
-            address, port, world, backend=backend)) if is_driver else None, cfg.rollout.api_key)
+            address, port, world, backend=backend)) if is_driver else None, cfg.rollout.api_key,
+            gpus)
         actor.execute_all("open_weight_group", address, port, world, backend)
         join_group.join(timeout, "open the weight-update group")
 
@@ -174,7 +181,7 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
         survivors = [u for i, u in enumerate(urls) if i not in restart]
         rollout.execute_all("restart", [urls[i] for i in restart], timeout)
         leave = _DriverHttp(survivors, (lambda c: c.destroy_weights_update_group())
-                            if is_driver else None, cfg.rollout.api_key)
+                            if is_driver else None, cfg.rollout.api_key, gpus)
         leave.join(timeout, "leave the broken weight-update group")
         actor.execute_all("close_weight_group")
         open_group(urls)
@@ -184,15 +191,17 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
     def sync(version: str, restart: list[int] | tuple[int, ...] = ()) -> int:
         if restart:
             reform(list(restart))
+
         async def receive(client: SGLangClient) -> None:
-            for k, bucket in enumerate(buckets):
-                last = k == len(buckets) - 1
+            for k, bucket in enumerate(plan):
+                last = k == len(plan) - 1
                 await client.update_weights_from_distributed(
                     [n for n, _ in bucket], [dtype] * len(bucket), [s for _, s in bucket],
-                    weight_version=version if last else None, flush_cache=last)
+                    weight_version=version if last else None, flush_cache=last,
+                    load_format=FLATTENED_BUCKET)
 
-        receiving = _DriverHttp(urls, receive if is_driver else None, cfg.rollout.api_key)
-        sent = actor.execute_all("broadcast_weights", dtype)[0]
+        receiving = _DriverHttp(urls, receive if is_driver else None, cfg.rollout.api_key, gpus)
+        sent = actor.execute_all("broadcast_weights", dtype, plan)[0]
         receiving.join(timeout, "sync_weights")
         return int(sent)
 

@@ -69,9 +69,10 @@ class CheckpointEngineConfig(Section):
     """Weight streaming from the train pool to the rollout engines after each update."""
 
     backend: Literal["nccl", "nixl", "ipc", "disk", "auto"] = Field("auto", description=(
-        "transport: nccl (gloo on CPU), nixl, ipc (colocated only), disk (shared file system); "
-        "auto = ipc when colocated, else nccl. `megarl train` streams over nccl (auto included) "
-        "so far; nixl/ipc/disk run in `megarl bench weight-sync`"))
+        "transport: nccl (gloo on CPU; separate pools only on GPUs), nixl, ipc (colocated only: "
+        "SGLang's update_weights_from_tensor with CUDA IPC handles of flattened buckets, bytes "
+        "inline on CPU), disk (shared file system); auto = ipc when colocated, else nccl. "
+        "`megarl train` streams over ipc and nccl; nixl/disk run in `megarl bench weight-sync`"))
     bucket_size_mb: int = Field(2048, ge=1, description=(
         "size of one streamed bucket (verl `update_weights_bucket_megabytes`); each sending rank "
         "holds at most one extra bucket"))

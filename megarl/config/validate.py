@@ -265,8 +265,15 @@ def check_scheduler_needs_separate_pools(ctx: Context) -> Iterator[Problem]:
 
 
 def check_weight_sync_backend(ctx: Context) -> Iterator[Problem]:
-    """ipc needs colocation; nixl needs the NIXL package."""
+    """ipc needs colocation; nccl cannot serve colocated engines on GPUs; nixl needs the NIXL
+    package."""
     backend = ctx.cfg.checkpoint_engine.backend
+    if backend == "nccl" and ctx.cfg.rollout.colocate and ctx.cfg.resources.device != "cpu":
+        yield error(("checkpoint_engine.backend", "rollout.colocate"), "a colocated engine shares "
+                    "its GPU with a train rank, and NCCL refuses two ranks of one group on one "
+                    "GPU ('Duplicate GPU detected')",
+                    "use checkpoint_engine.backend=ipc (or auto), which hands the engine CUDA "
+                    "IPC handles")
     if backend == "ipc" and not ctx.cfg.rollout.colocate:
         yield error(("checkpoint_engine.backend", "rollout.colocate"), "ipc moves weights inside "
                     "one machine's shared memory, but the engines are on a separate pool",

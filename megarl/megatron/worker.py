@@ -31,6 +31,7 @@ from megarl.megatron.router_replay import ROUTER_REPLAY_OVERRIDES, RouteRecordin
 from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
 from megarl.megatron.update import LossSettings, TrainSequence, train_step
+from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -97,6 +98,7 @@ class ActorWorker(Worker):
         if spec.with_ref:
             self.ref = self._build_model(dtype)
         self.weight_group: dist.ProcessGroup | None = None
+        self._colocated: tuple[Any, ColocatedSender] | None = None
 
     def _build_model(self, dtype: torch.dtype, router_replay: bool = False) -> ActorModel:
         """This rank's model chunks with the first weights (HF safetensors or dist checkpoint);
@@ -230,7 +232,7 @@ class ActorWorker(Worker):
         """Rank 0 creates the weight-update group as its rank 0; the engines join it."""
         if self.rank != 0:
             return
-        from megarl.rollout.weight_group import open_weight_update_group
+        from megarl.weights.group import open_weight_update_group
 
         self.weight_group = open_weight_update_group(
             master_address, master_port, rank=0, world_size=world_size, backend=backend)
@@ -238,23 +240,34 @@ class ActorWorker(Worker):
     def close_weight_group(self) -> None:
         """Leave the weight-update group (before it is re-formed after an engine restart)."""
         if self.weight_group is not None:
-            from megarl.rollout.weight_group import close_weight_update_group
+            from megarl.weights.group import close_weight_update_group
 
             close_weight_update_group(self.weight_group)
             self.weight_group = None
 
-    def broadcast_weights(self, dtype: str) -> int:
-        """Export HF-named tensors (collective over the train pool) and broadcast each one from
-        rank 0 over the weight group in export order; returns the bytes sent."""
-        sent = 0
-        target = DTYPES[dtype]
-        for _, tensor in self._export():
-            if self.rank != 0:
-                continue
-            payload = tensor.detach().to(target).contiguous()
-            dist.broadcast(payload, src=0, group=self.weight_group)
-            sent += payload.numel() * payload.element_size()
-        return sent
+    def broadcast_weights(self, dtype: str, plan: list[BucketSpec]) -> int:
+        """Export HF-named tensors (collective over the train pool); rank 0 broadcasts each
+        bucket of ``plan`` as one flat buffer over the weight group (SGLang's
+        ``flattened_bucket``). Returns the bytes sent."""
+        group = self.weight_group if self.rank == 0 else None
+        return broadcast_buckets(self._export(), plan, DTYPES[dtype], group,
+                                 torch.device(self.device))
+
+    def send_weights_colocated(self, dtype: str, plan: list[BucketSpec], urls: list[str],
+                               gpus_per_engine: int, version: str, api_key: str | None,
+                               timeout_s: float) -> int:
+        """Export HF-named tensors (collective) and hand each bucket of ``plan`` to the engine
+        sharing this rank's GPU through SGLang's ``/update_weights_from_tensor`` (CUDA IPC
+        handles; inline bytes on CPU). Returns the bytes this rank packed."""
+        key = (tuple(urls), gpus_per_engine)
+        if self._colocated is None or self._colocated[0] != key:
+            if self._colocated is not None:
+                self._colocated[1].close()
+            sender = ColocatedSender(self.rank, self.world_size, urls, gpus_per_engine,
+                                     api_key=api_key, timeout_s=timeout_s)
+            self._colocated = (key, sender)
+        return self._colocated[1].send(self._export(), plan, DTYPES[dtype],
+                                       torch.device(self.device), version)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model in HF names (rank 0's copy; for tests and checks on tiny models)."""

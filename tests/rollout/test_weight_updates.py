@@ -24,6 +24,7 @@ from megarl.rollout.local.weights import iter_safetensors
 from megarl.rollout.process import free_port
 from megarl.rollout.sglang.client import EngineError, SGLangClient
 from megarl.rollout.weight_group import close_weight_update_group, open_weight_update_group
+from megarl.weights.flattened import FLATTENED_BUCKET, flatten_bucket, serialize
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0.0, ignore_eos=True)
 EXPERT = "model.layers.1.mlp.experts.2.gate_proj.weight"
@@ -57,21 +58,26 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
 
 async def broadcast_update(client: SGLangClient, tensors: list[tuple[str, torch.Tensor]],
                            version: str) -> None:
-    """Rank 0 joins a gloo group with the engine and sends ``tensors`` in two buckets."""
+    """Rank 0 joins a gloo group with the engine and sends ``tensors`` in two buckets: the
+    first one tensor per broadcast, the second as one flattened buffer."""
     port = free_port()
     group, _ = await asyncio.gather(
         asyncio.to_thread(open_weight_update_group, "127.0.0.1", port, 0, 2, "wug", "gloo"),
         client.init_weights_update_group("127.0.0.1", port, 2, "wug", "gloo"))
     try:
         half = len(tensors) // 2
-        for bucket in (tensors[:half], tensors[half:]):
-            def send(bucket=bucket) -> None:
+        for bucket, flat in ((tensors[:half], False), (tensors[half:], True)):
+            def send(bucket=bucket, flat=flat) -> None:
+                if flat:
+                    dist.broadcast(flatten_bucket(bucket)["flattened_tensor"], src=0, group=group)
+                    return
                 for _, tensor in bucket:
                     dist.broadcast(tensor, src=0, group=group)
 
             await asyncio.gather(asyncio.to_thread(send), client.update_weights_from_distributed(
                 [n for n, _ in bucket], [str(t.dtype) for _, t in bucket],
-                [list(t.shape) for _, t in bucket], group_name="wug", weight_version=version))
+                [list(t.shape) for _, t in bucket], group_name="wug", weight_version=version,
+                load_format=FLATTENED_BUCKET if flat else None))
         # an unknown name fails the call, but the sender is not left hanging
         bogus = torch.ones(3)
         with pytest.raises(EngineError, match="unknown weight names"):
@@ -122,8 +128,13 @@ def test_checker_disk_and_tensor_updates(url, dirs):
                      await client.check_weights("compare")]
             await client.update_weights_from_disk(str(b_dir), weight_version="disk")
             steps.append(await client.check_weights("compare"))
-            payload = base64.b64encode(pickle.dumps(a_tensors)).decode()
-            await client.update_weights_from_tensor([payload], weight_version="tensor")
+            # a plain pickle names torch's storage loader (torch.load inside): refused
+            plain = base64.b64encode(pickle.dumps(a_tensors)).decode()
+            with pytest.raises(EngineError, match="refusing to unpickle"):
+                await client.update_weights_from_tensor([[plain]])
+            payload = serialize(flatten_bucket(a_tensors))
+            await client.update_weights_from_tensor([[payload]], weight_version="tensor",
+                                                    load_format=FLATTENED_BUCKET)
             weights = await client.get_weights_by_name(EXPERT, truncate_size=2)
             samples = await client.generate([[5, 9, 30]], GREEDY)
             return steps, weights, samples

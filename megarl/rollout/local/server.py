@@ -224,7 +224,7 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
         version = str(_field(body, "new_version", (str, int)))
 
         def apply() -> None:
-            if body.get("abort_all_requests"):
+            if body.get("abort_all_requests", True):  # SGLang's default
                 engine.abort_requests(None, "aborted for a weight version update")
             engine.weight_version = version
 
@@ -269,7 +269,8 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
         body = await _body(request)
         args = (_field(body, "names", list), _field(body, "dtypes", list),
                 _field(body, "shapes", list), str(body.get("group_name", "weight_update_group")),
-                body.get("weight_version"), bool(body.get("abort_all_requests", False)))
+                body.get("weight_version"), bool(body.get("abort_all_requests", False)),
+                body.get("load_format"))
         return _outcome(*await asyncio.to_thread(receiver.receive, *args))
 
     @app.post("/update_weights_from_tensor")

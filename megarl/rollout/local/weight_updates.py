@@ -10,7 +10,6 @@ Every method returns ``(success, message)`` like SGLang's endpoints.
 
 from __future__ import annotations
 
-import base64
 import pickle
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +29,7 @@ from megarl.rollout.weight_group import (
     open_weight_update_group,
     parse_dtype,
 )
+from megarl.weights.flattened import FLATTENED_BUCKET, bucket_metadata, deserialize, unflatten
 
 Outcome = tuple[bool, str]
 
@@ -110,17 +110,33 @@ class WeightReceiver:
 
     def receive(self, names: Sequence[str], dtypes: Sequence[str],
                 shapes: Sequence[Sequence[int]], group_name: str,
-                weight_version: str | None, abort_all: bool) -> Outcome:
-        """Receive one broadcast bucket (sender = rank 0), then load it."""
+                weight_version: str | None, abort_all: bool,
+                load_format: str | None = None) -> Outcome:
+        """Receive one broadcast bucket (sender = rank 0), then load it: one broadcast per
+        tensor, or with ``load_format="flattened_bucket"`` one uint8 broadcast of the tensors'
+        bytes back to back (SGLang's ``_update_bucketed_weights_from_distributed``)."""
         if not len(names) == len(dtypes) == len(shapes):
             return False, (f"names, dtypes and shapes must have equal lengths (got {len(names)}, "
                            f"{len(dtypes)}, {len(shapes)})")
+        if load_format not in (None, FLATTENED_BUCKET):
+            return False, (f"load_format {load_format!r} is not supported by "
+                           f"update_weights_from_distributed; use null or {FLATTENED_BUCKET}")
         group = self.groups.get(group_name)
         if group is None:
             return False, (f"group_name {group_name!r} does not exist; call "
                            "/init_weights_update_group first")
         device = self.engine.runner.device
         torch_dtypes = [parse_dtype(d) for d in dtypes]
+        if load_format == FLATTENED_BUCKET:
+            metadata = bucket_metadata(list(zip(names, shapes, torch_dtypes)))
+            flat = torch.empty(metadata[-1].end_idx if metadata else 0, dtype=torch.uint8,
+                               device=device)
+            try:
+                dist.broadcast(flat, src=0, group=group)
+            except RuntimeError as err:
+                return False, f"broadcast of a {flat.numel()}-byte bucket failed: {err}"
+            received = unflatten({"flattened_tensor": flat, "metadata": metadata})
+            return self._apply(received, weight_version, abort_all)
         received = []
         try:
             for name, dtype, shape in zip(names, torch_dtypes, shapes):
@@ -134,17 +150,21 @@ class WeightReceiver:
 
     def from_serialized(self, serialized: Sequence[str], load_format: str | None,
                         weight_version: str | None, abort_all: bool) -> Outcome:
-        """Load tensors serialized as base64 pickles (SGLang's ``MultiprocessingSerializer``)."""
+        """Load what SGLang's ``/update_weights_from_tensor`` carries: one serialized entry per
+        engine TP rank (this engine is TP rank 0: entry 0), read through the allow-list; a
+        ``flattened_bucket`` payload or a list of (name, tensor). CUDA tensors are the sender's
+        memory opened through CUDA IPC and copied straight into the weights."""
         if not serialized:
-            return False, "serialized_named_tensors: empty; give one entry per TP rank"
-        payload = pickle.loads(base64.b64decode(serialized[0]))
-        if load_format == "flattened_bucket":
-            named = _unflatten(payload)
-        elif load_format in (None, "direct", "default"):
-            named = [(str(n), t) for n, t in payload]
-        else:
-            return False, (f"load_format {load_format!r} is not supported; use null or "
-                           "flattened_bucket")
+            return False, "serialized_named_tensors: empty; give one entry per engine TP rank"
+        if load_format not in (None, "direct", FLATTENED_BUCKET):
+            return False, (f"load_format {load_format!r} is not supported; use null, direct or "
+                           f"{FLATTENED_BUCKET}")
+        try:
+            payload = deserialize(serialized[0])
+            named = (unflatten(payload) if load_format == FLATTENED_BUCKET
+                     else [(str(n), t) for n, t in payload])
+        except (ValueError, TypeError, KeyError, pickle.UnpicklingError, RuntimeError) as err:
+            return False, f"serialized_named_tensors[0] could not be read: {err}"
         return self._apply(named, weight_version, abort_all)
 
     def from_disk(self, model_path: str, weight_version: str | None,
@@ -170,18 +190,3 @@ class WeightReceiver:
             return False, f"action {action!r} must be one of {sorted(actions)}"
         return self._on_engine(actions[action])
 
-
-def _unflatten(payload: Any) -> list[tuple[str, torch.Tensor]]:
-    """A flattened bucket ``{"flattened_tensor", "metadata": [{name, shape, dtype, start_idx,
-    end_idx}]}`` (attribute objects or dicts) -> named tensors."""
-    def get(obj: Any, key: str) -> Any:
-        return obj[key] if isinstance(obj, dict) else getattr(obj, key)
-
-    flat = get(payload, "flattened_tensor")
-    out = []
-    for meta in get(payload, "metadata"):
-        dtype = get(meta, "dtype")
-        dtype = parse_dtype(dtype) if isinstance(dtype, str) else dtype
-        piece = flat[get(meta, "start_idx"):get(meta, "end_idx")]
-        out.append((get(meta, "name"), piece.view(dtype).reshape(tuple(get(meta, "shape")))))
-    return out

@@ -463,8 +463,13 @@ class SGLangClient(RolloutEngine):
         self, master_address: str, master_port: int, world_size: int,
         group_name: str = "weight_update_group", backend: str = "nccl",
     ) -> None:
-        """Engine i joins as ranks ``1 + i * ranks_per_engine ...``; the sender (rank 0) must
-        join concurrently (this call returns once everyone has)."""
+        """Engine i's TP rank r joins as ``1 + i * ranks_per_engine + r`` (the engine adds r to
+        its ``rank_offset``), so ``world_size`` must be ``1 + engines * ranks_per_engine``; the
+        sender (rank 0) must join concurrently (this call returns once everyone has)."""
+        expected = 1 + len(self.urls) * self.ranks_per_engine
+        if world_size != expected:
+            raise ValueError(f"world_size {world_size}: the sender plus {len(self.urls)} engines "
+                             f"x {self.ranks_per_engine} ranks make {expected}")
         bodies = [{"master_address": master_address, "master_port": master_port,
                    "rank_offset": 1 + i * self.ranks_per_engine, "world_size": world_size,
                    "group_name": group_name, "backend": backend} for i in range(len(self.urls))]
@@ -481,25 +486,42 @@ class SGLangClient(RolloutEngine):
         self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence[int]], *,
         group_name: str = "weight_update_group", weight_version: str | None = None,
         flush_cache: bool = True, abort_all_requests: bool = False,
+        load_format: str | None = None,
     ) -> None:
-        """Every engine receives one bucket while the sender broadcasts it (in this order)."""
+        """Every engine receives one bucket while the sender broadcasts it (in this order);
+        with ``load_format="flattened_bucket"`` the sender broadcasts the bucket's bytes as
+        one uint8 tensor."""
         body = {"names": list(names), "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
                 "shapes": [list(s) for s in shapes], "group_name": group_name,
-                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests}
+                "flush_cache": flush_cache, "abort_all_requests": abort_all_requests,
+                "load_format": load_format}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
         await self._each_outcome("/update_weights_from_distributed", [body] * len(self.urls))
 
     async def update_weights_from_tensor(
-        self, serialized_named_tensors: Sequence[str], *, load_format: str | None = None,
-        weight_version: str | None = None, flush_cache: bool = True,
+        self, serialized_named_tensors: Sequence[Sequence[str]], *,
+        load_format: str | None = None, weight_version: str | None = None,
+        flush_cache: bool = True, engines: Sequence[int] | None = None,
     ) -> None:
-        """Colocated update: one serialized payload per TP rank, sent to every engine."""
-        body: dict[str, Any] = {"serialized_named_tensors": list(serialized_named_tensors),
-                                "load_format": load_format, "flush_cache": flush_cache}
-        if weight_version is not None:
-            body["weight_version"] = str(weight_version)
-        await self._each_outcome("/update_weights_from_tensor", [body] * len(self.urls))
+        """Colocated update: ``serialized_named_tensors[i]`` is engine i's list of entries, one
+        per engine TP rank (each engine reads the handles of its own GPUs; one body for all
+        engines would hand every engine the first engine's memory)."""
+        targets = self._targets(engines)
+        if len(serialized_named_tensors) != len(targets):
+            raise ValueError(f"serialized_named_tensors: {len(serialized_named_tensors)} lists "
+                             f"for {len(targets)} engines; give one list per engine")
+        bodies = []
+        for entries in serialized_named_tensors:
+            if isinstance(entries, str) or len(entries) != self.ranks_per_engine:
+                raise ValueError(f"serialized_named_tensors: each engine needs a list of "
+                                 f"{self.ranks_per_engine} entries (one per engine TP rank)")
+            body: dict[str, Any] = {"serialized_named_tensors": list(entries),
+                                    "load_format": load_format, "flush_cache": flush_cache}
+            if weight_version is not None:
+                body["weight_version"] = str(weight_version)
+            bodies.append(body)
+        await self._each_outcome("/update_weights_from_tensor", bodies, targets)
 
     async def update_weights_from_disk(
         self, model_path: str, *, weight_version: str | None = None,

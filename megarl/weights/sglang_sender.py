@@ -1,0 +1,213 @@
+"""The trainer's half of SGLang's weight-update protocol, one bucket at a time.
+
+Both paths take the HF-named tensors of an export (every train rank yields every tensor, in the
+same order) and a bucket plan (names and shapes per bucket, the same on every rank and on the
+driver, which posts the matching HTTP calls), and send each bucket as SGLang's
+``flattened_bucket``: the tensors' bytes back to back in one uint8 buffer.
+
+- :func:`broadcast_buckets` (separate pools): train rank 0 broadcasts one flat buffer per bucket
+  over the weight-update group while the driver's ``/update_weights_from_distributed`` call for
+  that bucket is in flight on every engine.
+- :class:`ColocatedSender` (colocated, ``checkpoint_engine.backend=ipc``): the train ranks that
+  share one engine's GPUs (engine TP rank r = the r-th of them) each pack the bucket on their
+  own GPU, serialize it as CUDA IPC handles (shared bytes inline on CPU), gather the strings to
+  the engine's first rank over gloo, which posts ``/update_weights_from_tensor`` with one entry
+  per engine TP rank. Every rank keeps a bucket's buffer alive until the engine replied, and
+  holds at most two buckets: bucket k+1 is packed while bucket k is in flight.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megarl.weights.flattened import FLATTENED_BUCKET, flatten_into, serialize
+
+BucketSpec = list[tuple[str, list[int]]]
+"""One bucket of a plan: (HF name, shape) of each tensor, in export order."""
+
+
+def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], itemsize: int,
+                 bucket_size_mb: int) -> list[BucketSpec]:
+    """Group tensors in export order into buckets of at most ``bucket_size_mb`` (a larger
+    tensor gets a bucket of its own)."""
+    limit = bucket_size_mb * 2**20
+    buckets: list[BucketSpec] = [[]]
+    used = 0
+    for name, shape in specs:
+        size = itemsize * torch.Size(shape).numel()
+        if buckets[-1] and used + size > limit:
+            buckets.append([])
+            used = 0
+        buckets[-1].append((name, list(shape)))
+        used += size
+    return [b for b in buckets if b]
+
+
+def bucket_bytes(bucket: BucketSpec, itemsize: int) -> int:
+    """Bytes of one bucket's tensors in the sent dtype."""
+    return sum(itemsize * torch.Size(shape).numel() for _, shape in bucket)
+
+
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
+                 dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The export's tensors, cast to ``dtype``, grouped as ``plan`` says; raises when the
+    export does not yield the planned tensors (a plan made for another model or layout)."""
+    items = iter(named)
+    for index, bucket in enumerate(plan):
+        out = []
+        for name, shape in bucket:
+            got = next(items, None)
+            if got is None or got[0] != name or list(got[1].shape) != list(shape):
+                found = "nothing" if got is None else f"{got[0]} {list(got[1].shape)}"
+                raise RuntimeError(f"weight sync: bucket {index} expects {name} {shape}, the "
+                                   f"export yielded {found}; the plan is stale")
+            out.append((name, got[1].detach().to(dtype)))
+        yield out
+    extra = next(items, None)
+    if extra is not None:
+        raise RuntimeError(f"weight sync: the export yielded {extra[0]} after the last planned "
+                           "tensor; the plan is stale")
+
+
+def _bucket_buffer(plan: Sequence[BucketSpec], itemsize: int, device: torch.device
+                   ) -> torch.Tensor:
+    size = max(bucket_bytes(b, itemsize) for b in plan)
+    return torch.empty(size, dtype=torch.uint8, device=device)
+
+
+def broadcast_buckets(named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
+                      dtype: torch.dtype, group: dist.ProcessGroup | None,
+                      device: torch.device) -> int:
+    """Rank 0 of the weight group (``group`` given) broadcasts each bucket's flat bytes; other
+    train ranks (``group=None``) only take part in the export. Returns the bytes sent."""
+    buffer = None
+    sent = 0
+    for bucket in iter_buckets(named, plan, dtype):
+        if group is None:
+            continue
+        if buffer is None:
+            buffer = _bucket_buffer(plan, dtype.itemsize, device)
+        flat = flatten_into(buffer, bucket)["flattened_tensor"]
+        dist.broadcast(flat, src=0, group=group)
+        sent += flat.numel()
+    return sent
+
+
+class _Post:
+    """One ``/update_weights_from_tensor`` call running on a thread."""
+
+    def __init__(self, http: Any, url: str, body: dict[str, Any]) -> None:
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, args=(http, url, body), daemon=True)
+        self._thread.start()
+
+    def _run(self, http: Any, url: str, body: dict[str, Any]) -> None:
+        try:
+            response = http.post(url + "/update_weights_from_tensor", json=body)
+        except Exception as err:  # noqa: BLE001 - reported to every rank of the engine
+            self.error = f"POST {url}/update_weights_from_tensor failed: {err}"
+            return
+        data = response.json() if response.content else None
+        if response.status_code >= 400 or (isinstance(data, dict)
+                                           and data.get("success") is False):
+            detail = data.get("message") if isinstance(data, dict) else response.text[:500]
+            if isinstance(data, dict) and isinstance(data.get("error"), dict):
+                detail = data["error"].get("message")
+            self.error = (f"POST {url}/update_weights_from_tensor -> HTTP "
+                          f"{response.status_code}: {detail}")
+
+    def wait(self) -> str | None:
+        """Block until the engine replied; the error, if any."""
+        self._thread.join()
+        return self.error
+
+
+class ColocatedSender:
+    """Sends buckets to the engine whose GPUs this train rank shares (see the module doc)."""
+
+    def __init__(self, rank: int, world_size: int, urls: Sequence[str], gpus_per_engine: int,
+                 api_key: str | None = None, timeout_s: float = 600.0) -> None:
+        if world_size != len(urls) * gpus_per_engine:
+            raise ValueError(f"colocated weight sync: {world_size} train ranks but {len(urls)} "
+                             f"engines x {gpus_per_engine} GPUs each; with rollout.colocate every "
+                             "train GPU must hold one engine rank")
+        self.engine = rank // gpus_per_engine
+        self.tp_rank = rank % gpus_per_engine
+        self.url = urls[self.engine].rstrip("/")
+        self.group = self._engine_groups(world_size, gpus_per_engine)
+        self.size = gpus_per_engine
+        self.leader = self.engine * gpus_per_engine
+        self._http = None
+        if self.tp_rank == 0:
+            import httpx
+
+            headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+            self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                      headers=headers)
+
+    def _engine_groups(self, world_size: int, size: int) -> dist.ProcessGroup | None:
+        """A gloo group per engine (collective: every train rank creates all of them)."""
+        if size == 1:
+            return None
+        mine = None
+        for first in range(0, world_size, size):
+            group = dist.new_group(list(range(first, first + size)), backend="gloo")
+            if first == self.engine * size:
+                mine = group
+        return mine
+
+    def send(self, named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
+             dtype: torch.dtype, device: torch.device, version: str) -> int:
+        """Send every bucket of ``plan``; the last one carries ``version``. Returns the bytes
+        this rank packed."""
+        buffers = [_bucket_buffer(plan, dtype.itemsize, device) for _ in range(min(2, len(plan)))]
+        pending: _Post | None = None
+        sent = 0
+        for index, bucket in enumerate(iter_buckets(named, plan, dtype)):
+            # buffers[index % 2] held bucket index-2, whose reply came before bucket index-1
+            # was posted: at most two buckets exist, one in flight and one being packed
+            payload = flatten_into(buffers[index % 2], bucket)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            entries = self._gather(serialize(payload))
+            sent += payload["flattened_tensor"].numel()
+            self._settle(pending)  # the engine loads buckets in order: one post at a time
+            pending = None
+            if self._http is not None:
+                last = index == len(plan) - 1
+                body = {"serialized_named_tensors": entries, "load_format": FLATTENED_BUCKET,
+                        "flush_cache": last, "abort_all_requests": False,
+                        "weight_version": version if last else None}
+                pending = _Post(self._http, self.url, body)
+        self._settle(pending)
+        return sent
+
+    def _gather(self, entry: str) -> list[str]:
+        """Every engine TP rank's entry, in TP order, on the engine's first rank."""
+        if self.group is None:
+            return [entry]
+        out: list[Any] = [None] * self.size if self.tp_rank == 0 else None
+        dist.gather_object(entry, out, dst=self.leader, group=self.group)
+        return out or []
+
+    def _settle(self, pending: _Post | None) -> None:
+        """Wait for the leader's last post; every rank of the engine learns its outcome (so a
+        failure raises on all of them and their buffers stay alive until the reply)."""
+        error = pending.wait() if pending is not None else None
+        if self.group is not None:
+            box = [error]
+            dist.broadcast_object_list(box, src=self.leader, group=self.group)
+            error = box[0]
+        if error is not None:
+            raise RuntimeError(f"colocated weight sync to engine {self.engine} ({self.url}): "
+                               f"{error}")
+
+    def close(self) -> None:
+        """Close the HTTP connection."""
+        if self._http is not None:
+            self._http.close()
