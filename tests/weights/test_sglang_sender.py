@@ -1,0 +1,111 @@
+"""The trainer's half of SGLang's colocated update (``ColocatedSender``) against running
+embedded engines, from two real train ranks over gloo.
+
+The engines serve model A; the ranks send model B's tensors as if exported, in several
+buckets. With one engine per rank each rank feeds its own engine; with one engine of two TP
+ranks both ranks pack the bucket and the engine's first rank posts both entries (the engine,
+TP rank 0, loads entry 0: rank 0's). Afterwards every tensor the engines hold equals what was
+sent to them, bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_on_ranks
+
+from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.local.launch import launch_local_engines
+from megarl.rollout.local.weights import iter_safetensors
+from megarl.rollout.sglang.client import SGLangClient
+
+
+def send_on_rank(model_dir: str, urls: list[str], gpus_per_engine: int, scale: float,
+                 bucket_mb: float) -> int:
+    """Rank r sends model ``model_dir``'s tensors times ``scale ** r`` to its engine."""
+    import torch.distributed as dist
+
+    from megarl.weights.sglang_sender import ColocatedSender, plan_buckets
+
+    rank = dist.get_rank()
+    named = [(n, t * scale ** rank) for n, t in iter_safetensors(model_dir)]
+    plan = plan_buckets([(n, list(t.shape)) for n, t in named], 4, bucket_mb)
+    assert len(plan) >= 3  # several buckets, so two buffers take turns
+    sender = ColocatedSender(rank, dist.get_world_size(), urls, gpus_per_engine)
+    try:
+        return sender.send(iter(named), plan, torch.float32, torch.device("cpu"), "v7")
+    finally:
+        sender.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("sender")
+    a = make_tiny_model(root / "a", arch="qwen3_moe", seed=0, with_tokenizer=False)
+    b = make_tiny_model(root / "b", arch="qwen3_moe", seed=1, with_tokenizer=False)
+    return a, b
+
+
+@pytest.fixture(scope="module")
+def servers(models, tmp_path_factory):
+    started = launch_local_engines(str(models[0]), 2, num_threads=1,
+                                   log_dir=tmp_path_factory.mktemp("logs"), ready_timeout_s=120)
+    yield started
+    for server in started:
+        server.stop()
+
+
+def engine_tensors(url: str, names: list[str]) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Every named weight an engine holds (whole), and its weight version."""
+    async def read():
+        client = SGLangClient([url])
+        try:
+            values = {n: torch.tensor((await client.get_weights_by_name(n, 1 << 20))[0])
+                      for n in names}
+            return values, (await client.get_weight_version())[0]
+        finally:
+            await client.close()
+
+    return asyncio.run(read())
+
+
+@pytest.mark.parametrize("gpus_per_engine", [1, 2])
+def test_colocated_sender_feeds_each_engine_its_ranks_tensors(models, servers, gpus_per_engine):
+    _, b_dir = models
+    urls = [s.url for s in servers][:2 // gpus_per_engine]
+    sent = run_on_ranks(2, send_on_rank, str(b_dir), urls, gpus_per_engine, 0.5, 0.002)
+    expected = list(iter_safetensors(b_dir))
+    total = sum(t.numel() * 4 for _, t in expected)
+    assert sent == [total, total]
+    for engine, url in enumerate(urls):
+        # engine e is fed by rank e (one GPU each) or by rank 0 (entry 0 of two TP ranks)
+        scale = 0.5 ** (engine if gpus_per_engine == 1 else 0)
+        held, version = engine_tensors(url, [n for n, _ in expected])
+        assert version == "v7"
+        for name, tensor in expected:
+            assert torch.equal(held[name], tensor * scale), name
+
+
+def test_a_stale_plan_fails_on_every_rank(models, servers):
+    _, b_dir = models
+
+    with pytest.raises(RuntimeError, match="the plan is stale"):
+        run_on_ranks(2, send_stale_plan, str(b_dir), [servers[0].url, servers[1].url])
+
+
+def send_stale_plan(model_dir: str, urls: list[str]) -> int:
+    """A plan that lists one tensor more than the export yields."""
+    import torch.distributed as dist
+
+    from megarl.weights.sglang_sender import ColocatedSender, plan_buckets
+
+    named = list(iter_safetensors(model_dir))
+    plan = plan_buckets([(n, list(t.shape)) for n, t in named] + [("extra.weight", [2])], 4, 1)
+    sender = ColocatedSender(dist.get_rank(), 2, urls, 1)
+    try:
+        return sender.send(iter(named), plan, torch.float32, torch.device("cpu"), "stale")
+    finally:
+        sender.close()
