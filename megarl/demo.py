@@ -1,43 +1,77 @@
 """``megarl demo``: the README's main job on any machine, with nothing downloaded.
 
-Builds a tiny random Qwen3-MoE model (with a locally made tokenizer) and a synthetic verifiable
-task under ``outputs/tiny-moe/``, then runs ``megarl train --config configs/tiny-moe-cpu.yaml``:
-Megatron actor workers (expert parallel 2) and an embedded rollout engine in separate Ray pools,
-GRPO, weights streamed to the engine after every step. Prints where the metrics and plot are.
+On CPU (the default) it builds a tiny random Qwen3-MoE model (with a locally made tokenizer) and a
+synthetic verifiable task under ``outputs/tiny-moe/``, then runs ``megarl train --config
+configs/tiny-moe-cpu.yaml``: Megatron actor workers (expert parallel 2) and an embedded rollout
+engine in separate Ray pools, GRPO, weights streamed to the engine after every step.
+
+``megarl demo --device cuda`` runs the one-GPU version: a ~0.3B-parameter random Qwen3-MoE
+(8 layers, 16 experts, top-2) learning the harder ``copy_number`` task under ``outputs/moe-gpu/``
+with ``configs/moe-gpu-demo.yaml``: the actor and the embedded engine share the GPU (colocated),
+the engine releases its memory while the actor trains, and weights move over CUDA IPC.
+Prints where the metrics and plot are.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-DEMO_ROOT = Path("outputs/tiny-moe")
-DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny-moe-cpu.yaml"
-TASK = "copy_digit"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-def prepare_demo_assets(root: Path = DEMO_ROOT, seed: int = 0) -> tuple[Path, Path, Path]:
-    """Write the tiny model and the train/val data (once); returns their paths."""
+@dataclass(frozen=True)
+class DemoSpec:
+    """What one demo builds and runs."""
+
+    root: Path
+    config: Path
+    task: str
+    model: dict[str, Any] = field(default_factory=dict)
+    """Overrides of the tiny Qwen3-MoE config (``make_tiny_model``)."""
+    train_rows: int = 2048
+
+
+DEMOS = {
+    "cpu": DemoSpec(Path("outputs/tiny-moe"), CONFIGS / "tiny-moe-cpu.yaml", "copy_digit"),
+    "cuda": DemoSpec(Path("outputs/moe-gpu"), CONFIGS / "moe-gpu-demo.yaml", "copy_number", {
+        "hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12,
+        "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 2048, "num_experts": 16,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 1024}, train_rows=8192),
+}
+DEMO_ROOT = DEMOS["cpu"].root
+DEMO_CONFIG = DEMOS["cpu"].config
+TASK = DEMOS["cpu"].task
+
+
+def prepare_demo_assets(root: Path = DEMO_ROOT, seed: int = 0,
+                        spec: DemoSpec = DEMOS["cpu"]) -> tuple[Path, Path, Path]:
+    """Write the demo's model and train/val data (once); returns their paths."""
     from megarl.data.synthetic import write_synthetic_dataset
     from megarl.data.tiny_model import make_tiny_model
 
     model, train, val = root / "model", root / "data" / "train.parquet", root / "data" / "val.parquet"
     if not (model / "config.json").exists():
-        make_tiny_model(model, arch="qwen3_moe", seed=seed)
+        make_tiny_model(model, arch="qwen3_moe", seed=seed, **spec.model)
     if not train.exists():
-        write_synthetic_dataset(train, TASK, 2048, seed=seed, split="train")
+        write_synthetic_dataset(train, spec.task, spec.train_rows, seed=seed, split="train")
     if not val.exists():
-        write_synthetic_dataset(val, TASK, 64, seed=seed + 1, split="val")
+        write_synthetic_dataset(val, spec.task, 64, seed=seed + 1, split="val")
     return model, train, val
 
 
 def demo_main(argv: list[str]) -> int:
     """Prepare the demo's model and data, then train on them."""
     parser = argparse.ArgumentParser(prog="megarl demo", description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=sorted(DEMOS), default="cpu",
+                        help="cpu: the tiny CPU demo; cuda: the one-GPU colocated demo")
     parser.add_argument("overrides", nargs="*", metavar="a.b.c=value",
-                        help="overrides of configs/tiny-moe-cpu.yaml (e.g. trainer.total_steps=5)")
+                        help="overrides of the demo's config (e.g. trainer.total_steps=5)")
     args = parser.parse_args(argv)
-    prepare_demo_assets()
+    spec = DEMOS[args.device]
+    prepare_demo_assets(spec.root, spec=spec)
     from megarl.trainer import train_main
 
-    return train_main(["--config", str(DEMO_CONFIG), *args.overrides])
+    return train_main(["--config", str(spec.config), *args.overrides])

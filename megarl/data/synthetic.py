@@ -16,6 +16,10 @@ Tasks (``data_source`` is ``"synthetic/<task>"``, scored by :mod:`megarl.reward.
   with plain GRPO (16 prompts x 8 samples, 12 new tokens, lr 3e-3) it reaches 0.6-0.75 by step 50.
   (With the digit written once among the template tokens it did not learn within 50 steps: the
   repetition lets near-uniform attention at initialisation already carry the digit.)
+- ``copy_number``: the GPU demo's harder sibling: the prompt is ``Copy `` and a 3-digit number
+  written 6 times, the answer is the number, and the reward is the fraction of its digits that
+  the first three digits of the response get right, position by position (partial credit, so
+  a model learning from scratch is rewarded for the first digit before it orders the others).
 """
 
 from __future__ import annotations
@@ -54,11 +58,17 @@ def _copy_digit(rng: random.Random) -> tuple[str, str]:
     return f"Copy {digit * 16}", digit
 
 
+def _copy_number(rng: random.Random) -> tuple[str, str]:
+    number = f"{rng.randint(100, 999)}"
+    return f"Copy {number * 6}", number
+
+
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "arithmetic": _arithmetic,
     "counting": _counting,
     "sorting": _sorting,
     "copy_digit": _copy_digit,
+    "copy_number": _copy_number,
 }
 
 

@@ -8,6 +8,8 @@ and compared with the ground truth: 1.0 when equal, else 0.0. The extraction:
 - ``synthetic/sorting``: the same text with spaces and commas removed (``1, 2, 3`` == ``123``).
 - ``synthetic/copy_digit``: the first digit anywhere in the response (lenient on purpose, so a
   model learning from scratch gets a signal before it has learned the format).
+- ``synthetic/copy_number``: partial credit: the fraction of the number's digits that the first
+  digits of the response match position by position (``123`` for ``129``: 2/3).
 
 Format reward (off by default): with ``format_score > 0``, a wrong answer still earns
 ``format_score`` when the response contains ``Answer:``; a correct answer always earns 1.0.
@@ -49,11 +51,18 @@ def _first_digit_match(response_text: str, ground_truth: str) -> bool:
     return digit is not None and digit.group() == str(ground_truth).strip()
 
 
-_MATCHERS: dict[str, Callable[[str, str], bool]] = {
+def _digit_fraction(response_text: str, ground_truth: str) -> float:
+    truth = str(ground_truth).strip()
+    digits = re.findall(r"\d", response_text)[:len(truth)]
+    return sum(a == b for a, b in zip(digits, truth)) / len(truth)
+
+
+_MATCHERS: dict[str, Callable[[str, str], bool | float]] = {
     "synthetic/arithmetic": _integer_match,
     "synthetic/counting": _integer_match,
     "synthetic/sorting": _digits_match,
     "synthetic/copy_digit": _first_digit_match,
+    "synthetic/copy_number": _digit_fraction,
 }
 
 SYNTHETIC_SOURCES: tuple[str, ...] = tuple(_MATCHERS)
@@ -62,14 +71,18 @@ SYNTHETIC_SOURCES: tuple[str, ...] = tuple(_MATCHERS)
 def score(
     data_source: str, response_text: str, ground_truth: str, format_score: float = 0.0
 ) -> float:
-    """Reward of one response to a synthetic task: 1.0 if correct, else ``format_score`` or 0.0."""
+    """Reward of one response to a synthetic task: 1.0 if correct (or the partial credit of a
+    task that gives it), else ``format_score`` or 0.0."""
     matcher = _MATCHERS.get(data_source)
     if matcher is None:
         raise ValueError(
             f"no synthetic reward for data_source {data_source!r}; known sources: "
             f"{', '.join(SYNTHETIC_SOURCES)}"
         )
-    if matcher(response_text, ground_truth):
+    matched = matcher(response_text, ground_truth)
+    if not isinstance(matched, bool) and matched > 0:
+        return float(matched)
+    if matched is True:
         return 1.0
     if format_score and _ANSWER.search(response_text):
         return float(format_score)

@@ -56,10 +56,16 @@ def test_answers_are_right():
         assert "".join(sorted(digits)) == row["reward_model"]["ground_truth"]
     for row in generate_rows("copy_digit", 50, seed=0):
         assert row["prompt"][0]["content"] == "Copy " + row["reward_model"]["ground_truth"] * 16
+    for row in generate_rows("copy_number", 50, seed=0):
+        truth = row["reward_model"]["ground_truth"]
+        assert len(truth) == 3 and row["prompt"][0]["content"] == "Copy " + truth * 6
 
 
-def wrong_answer(truth: str) -> str:
-    """An answer that differs from ``truth`` after every task's normalisation."""
+def wrong_answer(truth: str, task: str) -> str:
+    """An answer that differs from ``truth`` after every task's normalisation (for
+    copy_number: in every digit, since it gives partial credit)."""
+    if task == "copy_number":
+        return "".join(str((int(c) + 1) % 10) for c in truth)
     return "9" + truth if truth.startswith("0") and len(truth) > 1 else str(int(truth) + 1)
 
 
@@ -70,9 +76,10 @@ def test_reward_is_one_for_the_truth_and_zero_for_a_wrong_answer(task):
         source, truth = row["data_source"], row["reward_model"]["ground_truth"]
         assert score(source, f"Answer: {truth}", truth) == 1.0
         assert score(source, f"Let me think.\nAnswer: {truth}<|im_end|>", truth) == 1.0
-        assert score(source, f"Answer: {wrong_answer(truth)}", truth) == 0.0
+        assert score(source, f"Answer: {wrong_answer(truth, task)}", truth) == 0.0
         assert score(source, "", truth) == 0.0
-        assert score(source, f"Answer: {wrong_answer(truth)}", truth, format_score=0.1) == 0.1
+        assert score(source, f"Answer: {wrong_answer(truth, task)}", truth,
+                     format_score=0.1) == 0.1
     assert set(SYNTHETIC_SOURCES) == {data_source_of(t) for t in TASKS}
 
 
@@ -87,9 +94,13 @@ def test_extraction_rules():
     assert score("synthetic/sorting", "Answer: 132", "123") == 0.0
     assert score("synthetic/copy_digit", "xx4y", "4") == 1.0
     assert score("synthetic/copy_digit", "x5 4", "4") == 0.0
+    assert score("synthetic/copy_number", "1 2 9 7", "127") == pytest.approx(2 / 3)
+    assert score("synthetic/copy_number", "x7", "127") == 0.0
+    assert score("synthetic/copy_number", "<|im_end|>127", "127") == 1.0
 
 
 def test_unknown_source_lists_the_known_ones():
-    known = "synthetic/arithmetic, synthetic/counting, synthetic/sorting, synthetic/copy_digit"
+    known = ("synthetic/arithmetic, synthetic/counting, synthetic/sorting, synthetic/copy_digit, "
+             "synthetic/copy_number")
     with pytest.raises(ValueError, match=f"'openai/gsm8k'; known sources: {known}$"):
         score("openai/gsm8k", "Answer: 1", "1")
