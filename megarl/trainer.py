@@ -189,7 +189,7 @@ class Trainer:
         try:
             for step in range(self.steps_done + 1, total + 1):
                 set_step(step)
-                metrics = self.reporting_oom(lambda: scheduler.step(last=step == total))
+                metrics = self.reporting_oom(lambda s=step: scheduler.step(last=s == total))
                 if val_every and (step % val_every == 0 or step == total):
                     with timer("validate", metrics):
                         metrics.update(self.validate())

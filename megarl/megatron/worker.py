@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -60,7 +60,7 @@ class ActorSpec:
     cuda_graphs: bool = False
     """Replay the update's forward/backward from CUDA graphs (``actor.cuda_graphs``)."""
     cuda_graph_bucket_tokens: int = 1024
-    offload: OffloadSettings = OffloadSettings()
+    offload: OffloadSettings = field(default_factory=OffloadSettings)
     """What the actor keeps in host memory while idle (``actor.offload``); the trainer calls
     :meth:`ActorWorker.offload`, each phase brings back what it needs."""
     ref_param_offload: bool = False

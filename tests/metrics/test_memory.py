@@ -71,7 +71,7 @@ def test_an_engine_oom_in_generation_names_the_generation_knobs():
     trainer = Trainer.__new__(Trainer)
     trainer.sampling_params = lambda: None
     trainer.prompt_seeds = lambda step, count: [0] * count
-    trainer.generation_options = lambda: {}
+    trainer.generation_options = dict
     with pytest.raises(PhaseOutOfMemory) as caught:
         asyncio.run(trainer.rollout(Client(), [{"input_ids": [1, 2]}], 0))
     assert "phase 'gen'" in str(caught.value)
@@ -81,9 +81,8 @@ def test_an_engine_oom_in_generation_names_the_generation_knobs():
 
 def test_other_errors_pass_unchanged():
     """Only allocation failures become PhaseOutOfMemory."""
-    with pytest.raises(ValueError):
-        with phase_memory("update_actor", "actor rank 0"):
-            raise ValueError("bad batch")
+    with pytest.raises(ValueError), phase_memory("update_actor", "actor rank 0"):
+        raise ValueError("bad batch")
 
 
 def test_peaks_are_recorded_per_phase_and_reduced_over_ranks():
