@@ -7,6 +7,10 @@ phase. The points are the timed phases of a step (every :func:`megarl.metrics.ti
 block: ``gen``, ``reward``, ``old_log_prob``, ``update_actor``, ``sync_weights``, ...) and
 ``save``; the step is the one the trainer announced with :func:`set_step`. Unset, nothing
 happens.
+
+``MEGARL_OOM_AT=PHASE[:RANK]`` raises ``torch.OutOfMemoryError`` when a process (the one whose
+``RANK`` environment variable is ``RANK``, or any) enters ``PHASE`` of
+:func:`megarl.memory.phase_memory`: the out-of-memory path without filling a GPU.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import signal
 import threading
 
 ENV = "MEGARL_CRASH_AT"
+OOM_ENV = "MEGARL_OOM_AT"
 _step = 0
 
 
@@ -55,3 +60,15 @@ def crash_point(point: str, step: int | None = None) -> None:
     timer = threading.Timer(delay, _kill_self)
     timer.daemon = True
     timer.start()
+
+
+def oom_point(phase: str) -> None:
+    """Raise ``torch.OutOfMemoryError`` if ``MEGARL_OOM_AT`` names ``phase`` (and this rank)."""
+    spec = os.environ.get(OOM_ENV)
+    if not spec:
+        return
+    name, _, rank = spec.partition(":")
+    if name == phase and (not rank or rank == os.environ.get("RANK", "0")):
+        import torch
+
+        raise torch.OutOfMemoryError(f"CUDA out of memory ({OOM_ENV}={spec})")

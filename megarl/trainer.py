@@ -47,6 +47,7 @@ from megarl.config import RunConfig, load_config, validate_config
 from megarl.config.loader import ConfigError
 from megarl.config.render import render_config
 from megarl.faults import set_step
+from megarl.memory import PhaseOutOfMemory, find_out_of_memory, memory_metrics, phase_memory
 from megarl.metrics.health import HealthMonitor, HealthThresholds
 from megarl.metrics.timing import reduce_metrics, throughput_metrics, timer
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
@@ -189,7 +190,7 @@ class Trainer:
         try:
             for step in range(self.steps_done + 1, total + 1):
                 set_step(step)
-                metrics = scheduler.step(last=step == total)
+                metrics = self.reporting_oom(lambda s=step: scheduler.step(last=s == total))
                 if val_every and (step % val_every == 0 or step == total):
                     with timer("validate", metrics):
                         metrics.update(self.validate())
@@ -205,6 +206,20 @@ class Trainer:
             scheduler.close()
         self.finish()
         return history
+
+    @staticmethod
+    def reporting_oom(fn: Callable[[], Any]) -> Any:
+        """``fn()``; an out-of-memory error of any rank in any phase comes out as one
+        :class:`PhaseOutOfMemory` that names the phase, the rank and the knobs (PITFALLS T1)."""
+        try:
+            return fn()
+        except PhaseOutOfMemory:
+            raise
+        except Exception as err:
+            oom = find_out_of_memory(err)
+            if oom is None:
+                raise
+            raise oom from err
 
     def validate(self) -> dict[str, float]:
         """Greedy answers to every validation prompt; mean score overall and per data source."""
@@ -280,11 +295,23 @@ class Trainer:
             metrics.update(critic_data_metrics(targets, batch.response_mask()))
         with timer("update_actor", metrics):
             metrics.update(self.update_actor(batch))
+        self.offload_actor(["grad", "optimizer"])
+
+    def offload_actor(self, parts: list[str]) -> None:
+        """Move those of ``parts`` that ``actor.offload`` switches on to host memory (the next
+        phase that needs them brings them back)."""
+        off = self.cfg.actor.offload
+        on = {"param": off.param_offload, "grad": off.grad_offload,
+              "optimizer": off.optimizer_offload}
+        chosen = [part for part in parts if on[part]]
+        if chosen:
+            self.workers.actor.execute_all("offload", chosen)
 
     def end_step(self, batch: StepBatch, metrics: dict[str, float], start: float) -> None:
         """Close a step that began at ``start`` (``time.perf_counter()``): its wall time, the
         batch metrics, and the step counter."""
         metrics["timing/step"] = time.perf_counter() - start
+        metrics.update(memory_metrics(self.workers.actor.execute_all("memory_stats")))
         metrics.update(self.batch_metrics(batch, metrics))
         self.steps_done += 1
 
@@ -298,9 +325,11 @@ class Trainer:
                       step_index: int) -> list[RolloutSample]:
         """The samples of step ``step_index``'s prompts, generated through ``client`` (the
         schedulers call it from their own event loop)."""
-        return await client.generate([p["input_ids"] for p in prompts], self.sampling_params(),
-                                     seeds=self.prompt_seeds(step_index, len(prompts)),
-                                     **self.generation_options())
+        with phase_memory("gen", "the rollout engines"):
+            return await client.generate([p["input_ids"] for p in prompts],
+                                         self.sampling_params(),
+                                         seeds=self.prompt_seeds(step_index, len(prompts)),
+                                         **self.generation_options())
 
     def sampling_params(self) -> SamplingParams:
         """How every prompt of a training step is sampled (``rollout.n`` samples each)."""
@@ -467,6 +496,7 @@ class Trainer:
         for engine in down:
             self.on_driver(lambda e=engine: self.run(client.readmit(e, version)))
         stats = self.on_driver(lambda: client.stats)
+        self.offload_actor(["param"])
         return {"checkpoint_engine/bytes": float(sent),
                 "rollout/weight_version": float(self.weight_version),
                 "rollout/engine_restarts": float(len(down)),
@@ -565,6 +595,9 @@ def train_main(argv: list[str]) -> int:
     except DatasetError as err:  # bad input data: one line, nothing written
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except PhaseOutOfMemory as err:  # one line: phase, rank, the knobs (PITFALLS T1)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     finally:
         trainer.close()
     return 0

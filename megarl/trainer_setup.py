@@ -19,6 +19,7 @@ from typing import Any
 
 from megarl.config import RunConfig
 from megarl.config.derived import weight_sync_backend
+from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.update import LossSettings
@@ -83,7 +84,9 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      router_replay=(a.router_replay.mode != "disabled"
                                     or bool(cfg.rollout.enable_return_routed_experts)),
                      cuda_graphs=a.cuda_graphs,
-                     cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens)
+                     cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens,
+                     offload=OffloadSettings(**a.offload.model_dump()),
+                     ref_param_offload=cfg.ref.offload.param_offload)
 
 
 def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:

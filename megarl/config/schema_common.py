@@ -92,14 +92,17 @@ class OptimConfig(Section):
 
 
 class OffloadConfig(Section):
-    """What a trained role moves to host memory between its phases (verl's Megatron offload)."""
+    """What a trained role moves to host memory between its phases (verl's Megatron offload):
+    while the engines generate, brought back by the phase that needs it."""
 
     param_offload: bool = Field(False, description=(
-        "keep parameters in host memory while the role is idle"))
+        "keep parameters in host memory (pinned) from the weight sync to the next old-log-prob "
+        "forward"))
     grad_offload: bool = Field(False, description=(
-        "keep gradient buffers in host memory while the role is idle"))
+        "free the gradient buffers from the end of an update to the next (they are zeroed "
+        "before every update, so nothing is copied)"))
     optimizer_offload: bool = Field(False, description=(
-        "keep optimizer states in host memory while the role is idle"))
+        "keep fp32 main params and Adam states in host memory (pinned) between updates"))
 
 
 def is_loopback_host(host: str) -> bool:

@@ -155,7 +155,7 @@ class RefOffloadConfig(Section):
     """Offload of the reference model (it has no gradients or optimizer)."""
 
     param_offload: bool = Field(False, description=(
-        "keep reference parameters in host memory between its forwards"))
+        "keep reference parameters in host memory (pinned) between its forwards"))
 
 
 class RefConfig(Section):

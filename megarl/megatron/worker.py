@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,12 +25,14 @@ from megarl.megatron.checkpoint import load_checkpoint, load_model_weights, save
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.logprobs import compute_log_probs
 from megarl.megatron.model import ActorModel, build_actor_model
+from megarl.megatron.offload import PARTS, OffloadSettings, StateOffloader
 from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
 from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.router_replay import ROUTER_REPLAY_OVERRIDES, RouteRecording
 from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
 from megarl.megatron.update import LossSettings, TrainSequence, train_step
+from megarl.memory import phase_memory
 from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
 
 logger = logging.getLogger(__name__)
@@ -59,6 +61,11 @@ class ActorSpec:
     cuda_graphs: bool = False
     """Replay the update's forward/backward from CUDA graphs (``actor.cuda_graphs``)."""
     cuda_graph_bucket_tokens: int = 1024
+    offload: OffloadSettings = field(default_factory=OffloadSettings)
+    """What the actor keeps in host memory while idle (``actor.offload``); the trainer calls
+    :meth:`ActorWorker.offload`, each phase brings back what it needs."""
+    ref_param_offload: bool = False
+    """Keep the reference model in host memory between its forwards (``ref.offload``)."""
 
 
 def _as_tensor(values: list[float] | None) -> torch.Tensor | None:
@@ -99,6 +106,40 @@ class ActorWorker(Worker):
             self.ref = self._build_model(dtype)
         self.weight_group: dist.ProcessGroup | None = None
         self._colocated: tuple[Any, ColocatedSender] | None = None
+        self.offloader = StateOffloader(self.actor.model.chunks, self.actor.optimizer)
+        self.ref_offloader = StateOffloader(self.ref.chunks if self.ref is not None else [])
+        self.memory_peaks: dict[str, tuple[float, float]] = {}
+        if spec.ref_param_offload:
+            self.ref_offloader.offload(["param"])
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """A phase of this rank: its peak memory is recorded, an OOM names phase and knobs."""
+        return phase_memory(name, f"actor rank {self.rank} (host {self.info.hostname})",
+                            self.memory_peaks)
+
+    def offload(self, parts: list[str] | None = None) -> int:
+        """Move ``parts`` of the actor's state (default: those ``actor.offload`` switches on)
+        to host memory until a phase needs them; returns the bytes freed."""
+        return self.offloader.offload(self.spec.offload.parts() if parts is None else parts)
+
+    def reload(self, parts: list[str] | None = None) -> int:
+        """Bring offloaded ``parts`` (default: all) back to the device; returns the bytes."""
+        return self.offloader.reload(PARTS if parts is None else parts)
+
+    @contextlib.contextmanager
+    def _resident(self) -> Iterator[None]:
+        """The whole actor state on the device inside the block, offloaded again after it."""
+        parts = sorted(self.offloader.offloaded)
+        self.offloader.reload(parts)
+        try:
+            yield
+        finally:
+            self.offloader.offload(parts)
+
+    def memory_stats(self) -> dict[str, tuple[float, float]]:
+        """Peak (allocated, reserved) GB per phase since the last call; clears them."""
+        peaks, self.memory_peaks = self.memory_peaks, {}
+        return peaks
 
     def _build_model(self, dtype: torch.dtype, router_replay: bool = False) -> ActorModel:
         """This rank's model chunks with the first weights (HF safetensors or dist checkpoint);
@@ -139,13 +180,19 @@ class ActorWorker(Worker):
         """
         model = self.ref if use_ref else self.actor.model
         assert model is not None, "reference model requested but not built"
+        offloader = self.ref_offloader if use_ref else self.offloader
         tokens = [torch.tensor(s, dtype=torch.long) for s in sequences]
         for chunk in model.chunks:
             chunk.eval()
-        with self._routing(model, tokens, routes, record_routes) as recording, torch.no_grad():
-            out = compute_log_probs(
-                model, tokens, temperature=self.spec.temperature, with_entropy=with_entropy,
-                max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
+        with self._phase("ref" if use_ref else "old_log_prob"):
+            offloader.reload(["param"])
+            with self._routing(model, tokens, routes, record_routes) as recording, \
+                    torch.no_grad():
+                out = compute_log_probs(
+                    model, tokens, temperature=self.spec.temperature, with_entropy=with_entropy,
+                    max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
+            if use_ref and self.spec.ref_param_offload:
+                offloader.offload(["param"])
         result: dict[str, list] = {"log_probs": [lp.float().tolist() for lp in out.log_probs]}
         if with_entropy and out.entropy is not None:
             result["entropy"] = [e.float().tolist() for e in out.entropy]
@@ -179,43 +226,57 @@ class ActorWorker(Worker):
         """As :meth:`update`; also returns, per mini-batch, the int16 routes each sequence's
         update forward used (``[L_i, moe_layers, top_k]``; empty lists unless recorded)."""
         metrics, used = [], []
-        for mini_batch in mini_batches:
-            sequences = [
-                TrainSequence(
-                    tokens=torch.tensor(s["tokens"], dtype=torch.long),
-                    loss_mask=torch.tensor(s["loss_mask"], dtype=torch.float32),
-                    old_log_probs=_as_tensor(s["old_log_probs"]),
-                    advantages=_as_tensor(s["advantages"]),
-                    ref_log_probs=_as_tensor(s.get("ref_log_probs")),
-                    rollout_is_weights=_as_tensor(s.get("rollout_is_weights")),
-                )
-                for s in mini_batch
-            ]
-            with self._routing(self.actor.model, [s.tokens for s in sequences],
-                               _replayed_routes(mini_batch), record_routes) as recording:
-                metrics.append(train_step(
-                    self.actor, sequences, self.spec.loss,
-                    max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
-                    temperature=self.spec.temperature, graphed=self.graphed))
-            used.append(recording.routes)
+        with self._phase("update_actor"):
+            self.offloader.reload(PARTS)
+            for mini_batch in mini_batches:
+                metrics.append(self._update_one(mini_batch, record_routes, used))
         return metrics, used
+
+    def _update_one(self, mini_batch: list[dict[str, Any]], record_routes: bool,
+                    used: list[list[torch.Tensor]]) -> dict[str, float]:
+        """One optimizer step on one mini-batch; appends the routes it used to ``used``."""
+        sequences = [
+            TrainSequence(
+                tokens=torch.tensor(s["tokens"], dtype=torch.long),
+                loss_mask=torch.tensor(s["loss_mask"], dtype=torch.float32),
+                old_log_probs=_as_tensor(s["old_log_probs"]),
+                advantages=_as_tensor(s["advantages"]),
+                ref_log_probs=_as_tensor(s.get("ref_log_probs")),
+                rollout_is_weights=_as_tensor(s.get("rollout_is_weights")),
+            )
+            for s in mini_batch
+        ]
+        with self._routing(self.actor.model, [s.tokens for s in sequences],
+                           _replayed_routes(mini_batch), record_routes) as recording:
+            result = train_step(
+                self.actor, sequences, self.spec.loss,
+                max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
+                temperature=self.spec.temperature, graphed=self.graphed)
+        used.append(recording.routes)
+        return result
 
     def save_checkpoint(self, root: str, step: int, extra: dict[str, Any],
                         keep_last: int | None) -> str:
         """Save model, optimizer, LR schedule and RNG states of every rank at ``step`` under
         ``root`` (atomic, ``latest`` updated last); collective. Returns the directory."""
-        return str(save_checkpoint(root, self.actor, step, extra=extra, keep_last=keep_last))
+        with self._resident():
+            return str(save_checkpoint(root, self.actor, step, extra=extra,
+                                       keep_last=keep_last))
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor from a checkpoint (a directory or a root's latest); collective.
         The reference model keeps its initial weights. Returns the step and ``extra``."""
-        loaded = load_checkpoint(path, self.actor)
+        with self._resident():
+            loaded = load_checkpoint(path, self.actor)
         return {"path": str(loaded.path), "step": loaded.step, "extra": loaded.extra,
                 "optimizer_restored": loaded.optimizer_restored,
                 "rng_restored": loaded.rng_restored}
 
-    def _export(self):
-        return self.actor.model.bridge.export_weights(self.actor.model.chunks)
+    def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors of the actor (parameters brought back first if offloaded)."""
+        with self._phase("sync_weights"):
+            self.offloader.reload(["param"])
+            yield from self.actor.model.bridge.export_weights(self.actor.model.chunks)
 
     def weight_specs(self) -> list[tuple[str, list[int]]]:
         """HF names and shapes of every exported tensor, in export order (collective)."""

@@ -197,23 +197,25 @@ class ModelRunner:
         return 0 if self.batch is None else self.batch.rows
 
     def offload(self) -> None:
-        """Move the weights to host memory (GPU only; a CPU model stays where it is)."""
+        """Move the weights to pinned host memory (GPU only; a CPU model stays where it is).
+        Each parameter and buffer keeps its identity (``.data`` moves), so weight views
+        resolved by name stay valid; the fused projections and CUDA graphs are rebuilt."""
         if self.device.type != "cpu":
-            self.clear_rows()
-            if self.native is not None:
-                self.native.release()
-            self.model.to("cpu")
+            self.release_kv_cache()
+            _move_tensors(self.model, torch.device("cpu"))
             torch.cuda.empty_cache()
 
     def reload(self) -> None:
         """Move the weights back to the model's device after :meth:`offload`."""
-        self.model.to(self.device)
+        _move_tensors(self.model, self.device)
 
     def release_kv_cache(self) -> None:
         """Drop the running rows and free the KV cache (and CUDA graphs) until the next use."""
         self.clear_rows()
         if self.native is not None:
             self.native.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                  cache: object, routes: bool) -> tuple[torch.Tensor, object, torch.Tensor | None]:
@@ -338,3 +340,22 @@ def _eos_ids(model: nn.Module) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+@torch.no_grad()
+def _move_tensors(model: torch.nn.Module, device: torch.device) -> None:
+    """Move every parameter and buffer of ``model`` to ``device`` in place (``.data``), to
+    pinned host memory when ``device`` is the CPU."""
+    seen: set[int] = set()
+    tensors = [*model.parameters(), *model.buffers()]
+    for tensor in tensors:
+        if id(tensor) in seen or tensor.device == device:
+            continue
+        seen.add(id(tensor))
+        if device.type == "cpu":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            tensor.data = host.copy_(tensor.data, non_blocking=True)
+        else:
+            tensor.data = tensor.data.to(device, non_blocking=True)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()

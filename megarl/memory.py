@@ -1,0 +1,154 @@
+"""Memory per phase: the peak of each phase, and out-of-memory errors that say which knobs help.
+
+:func:`phase_memory` wraps one phase of one process (``gen``, ``old_log_prob``, ``ref``,
+``update_actor``, ``sync_weights``, ...). It resets the device's peak statistics, records the
+phase's peak allocated and reserved memory (CUDA: ``torch.cuda.max_memory_allocated`` and
+``max_memory_reserved``; CPU: the process's resident set size at the end of the phase in both,
+since CPU allocations have no peak counter that can be reset), and turns an out-of-memory error
+into :class:`PhaseOutOfMemory`, one line that names the phase, the process (role and rank) and
+the config fields that lower that phase's memory (PITFALLS T1). The error pickles, so it
+crosses Ray; :func:`find_out_of_memory` finds it again in a worker group's error on the driver.
+
+Metrics (:func:`memory_metrics`): ``perf/max_memory_allocated_gb`` and
+``perf/max_memory_reserved_gb`` (the step's largest phase peak over every rank), and the same
+per phase with the phase's name appended (``perf/max_memory_allocated_gb/update_actor``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+
+from megarl.faults import oom_point
+
+GB = 1024**3
+
+PHASE_KNOBS: dict[str, tuple[str, ...]] = {
+    "gen": ("rollout.gpu_memory_utilization", "rollout.max_num_seqs",
+            "data.max_response_length", "actor.offload.optimizer_offload",
+            "actor.offload.grad_offload", "actor.offload.param_offload"),
+    "old_log_prob": ("actor.log_prob_micro_batch_size_per_gpu",
+                     "actor.ppo_max_token_len_per_gpu", "actor.parallel.tp",
+                     "actor.parallel.cp"),
+    "ref": ("ref.log_prob_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
+            "ref.offload.param_offload", "ref.parallel"),
+    "values": ("critic.ppo_micro_batch_size_per_gpu", "critic.offload.param_offload"),
+    "update_actor": ("actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
+                     "actor.recompute.granularity", "actor.offload.optimizer_offload",
+                     "actor.offload.grad_offload", "actor.parallel.tp", "actor.parallel.pp"),
+    "update_critic": ("critic.ppo_micro_batch_size_per_gpu", "critic.offload.optimizer_offload",
+                      "critic.offload.grad_offload"),
+    "sync_weights": ("checkpoint_engine.bucket_size_mb", "actor.offload.optimizer_offload",
+                     "actor.offload.grad_offload", "rollout.gpu_memory_utilization"),
+}
+"""Per phase, the config fields that lower its memory, the most effective first."""
+
+_MARKER = "PhaseOutOfMemory: "
+
+
+class PhaseOutOfMemory(RuntimeError):
+    """An out-of-memory error in one phase of one process, with the knobs that lower it."""
+
+    def __init__(self, phase: str, where: str, detail: str) -> None:
+        self.phase, self.where, self.detail = phase, where, detail
+        knobs = PHASE_KNOBS.get(phase, ())
+        fix = (f"lower this phase's memory with {', '.join(knobs)}" if knobs else
+               "lower the batch sizes of this phase")
+        super().__init__(f"out of memory in phase {phase!r} on {where}: {detail} — {fix}")
+
+    def __reduce__(self):
+        return (type(self), (self.phase, self.where, self.detail))
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    """Whether ``err`` is a device (or host) allocation failure."""
+    if isinstance(err, torch.OutOfMemoryError):
+        return True
+    text = str(err)
+    return "out of memory" in text.lower() or "can't allocate memory" in text
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [line for line in str(err).splitlines() if line.strip()]
+    return (lines[0] if lines else type(err).__name__)[:300]
+
+
+@contextlib.contextmanager
+def phase_memory(phase: str, where: str, peaks: dict[str, tuple[float, float]] | None = None
+                 ) -> Iterator[None]:
+    """Run one phase: record its peak memory (GB) into ``peaks[phase]`` and report an
+    out-of-memory error in it as :class:`PhaseOutOfMemory` (``where``: role and rank)."""
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        oom_point(phase)
+        yield
+    except PhaseOutOfMemory:
+        raise
+    except Exception as err:
+        if not is_out_of_memory(err):
+            raise
+        raise PhaseOutOfMemory(phase, where, _first_line(err)) from err
+    finally:
+        if peaks is not None:
+            now = _peak(cuda)
+            old = peaks.get(phase, (0.0, 0.0))
+            peaks[phase] = (max(old[0], now[0]), max(old[1], now[1]))
+
+
+def _peak(cuda: bool) -> tuple[float, float]:
+    """(allocated, reserved) peak GB of this phase; on CPU, the resident set size twice."""
+    if cuda:
+        return torch.cuda.max_memory_allocated() / GB, torch.cuda.max_memory_reserved() / GB
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / GB
+    except (OSError, ValueError, IndexError):
+        rss = 0.0
+    return rss, rss
+
+
+def memory_metrics(per_rank: list[dict[str, tuple[float, float]]]) -> dict[str, float]:
+    """``perf/max_memory_{allocated,reserved}_gb`` overall and per phase, max over ranks."""
+    out: dict[str, float] = {}
+    for peaks in per_rank:
+        for phase, values in peaks.items():
+            for kind, value in zip(("allocated", "reserved"), values):
+                for key in (f"perf/max_memory_{kind}_gb", f"perf/max_memory_{kind}_gb/{phase}"):
+                    out[key] = max(out.get(key, 0.0), float(value))
+    return out
+
+
+def find_out_of_memory(err: BaseException) -> PhaseOutOfMemory | None:
+    """The :class:`PhaseOutOfMemory` behind ``err``: itself, a cause, or one a worker group's
+    error carries as a rank's traceback text (the first rank's); None if there is none."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, PhaseOutOfMemory):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    for failure in getattr(err, "failures", ()):
+        found = _parse(failure.traceback)
+        if found is None and "OutOfMemoryError" in failure.traceback:  # outside a phase
+            found = PhaseOutOfMemory(getattr(err, "method", "?"), f"{err.role} rank "
+                                     f"{failure.rank} (host {failure.host})",
+                                     failure.traceback.strip().splitlines()[-1][:300])
+        if found is not None:
+            return found
+    return None
+
+
+def _parse(traceback_text: str) -> PhaseOutOfMemory | None:
+    """The PhaseOutOfMemory whose message ends ``traceback_text`` (as a worker printed it)."""
+    for line in reversed(traceback_text.splitlines()):
+        if _MARKER in line:
+            message = line.split(_MARKER, 1)[1]
+            match = re.match(r"out of memory in phase '([^']+)' on (.+?): (.*) — ", message)
+            if match:
+                return PhaseOutOfMemory(*match.groups())
+    return None

@@ -1,0 +1,99 @@
+"""Per-phase memory peaks and the out-of-memory report (PITFALLS T1): an OOM raised inside a
+phase of a worker (through the ``MEGARL_OOM_AT`` hook) reaches the driver through the worker
+host's real error transport as one message naming the phase, the rank and the knobs."""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+
+import pytest
+import torch
+
+from megarl.cluster.actor_host import WorkerHost
+from megarl.cluster.worker import WorkerInfo
+from megarl.memory import PHASE_KNOBS, PhaseOutOfMemory, memory_metrics, phase_memory
+from megarl.trainer import Trainer
+
+
+def _host(rank: int) -> WorkerHost:
+    """A worker host with its identity set (no Ray, no environment changes)."""
+    host = WorkerHost.__new__(WorkerHost)
+    host._role, host._worker = "actor", None
+    host._info = WorkerInfo(role="actor", rank=rank, world_size=4, local_rank=rank,
+                            local_world_size=4, master_addr="127.0.0.1", master_port=1,
+                            node_ip="10.0.0.7", hostname="node7", device="cpu")
+    return host
+
+
+@pytest.mark.parametrize("phase", ["old_log_prob", "ref", "update_actor", "sync_weights"])
+def test_oom_in_a_worker_phase_reaches_the_driver_as_one_message(monkeypatch, phase):
+    """MEGARL_OOM_AT raises torch.OutOfMemoryError inside the phase on rank 2 only; the
+    driver's error names the phase, the rank and every knob of that phase."""
+    monkeypatch.setenv("MEGARL_OOM_AT", f"{phase}:2")
+    monkeypatch.setenv("RANK", "2")
+
+    def work() -> None:
+        with phase_memory(phase, "actor rank 2 (host node7)", {}):
+            pass
+
+    with pytest.raises(PhaseOutOfMemory) as caught:
+        Trainer.reporting_oom(lambda: _host(2)._run("update", work))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"out of memory in phase {phase!r} on actor rank 2 (host node7)" in message
+    for knob in PHASE_KNOBS[phase]:
+        assert knob in message
+    monkeypatch.setenv("RANK", "1")  # another rank passes the same phase
+    with phase_memory(phase, "actor rank 1", {}):
+        pass
+
+
+def test_update_knobs_and_pickling():
+    """The update's message lists micro-batch, recompute and offload; the error pickles."""
+    err = PhaseOutOfMemory("update_actor", "actor rank 0", "CUDA out of memory")
+    text = str(pickle.loads(pickle.dumps(err)))
+    for knob in ("actor.ppo_micro_batch_size_per_gpu", "actor.ppo_max_token_len_per_gpu",
+                 "actor.recompute.granularity", "actor.offload.optimizer_offload"):
+        assert knob in text
+    assert "checkpoint_engine.bucket_size_mb" in str(
+        PhaseOutOfMemory("sync_weights", "actor rank 0", "x"))
+
+
+def test_an_engine_oom_in_generation_names_the_generation_knobs():
+    """An engine's out-of-memory answer during generation is reported as phase gen."""
+
+    class Client:
+        async def generate(self, *args, **kwargs):
+            raise RuntimeError("engine 0 answered 500: torch.OutOfMemoryError: CUDA out of "
+                               "memory. Tried to allocate 2.00 GiB")
+
+    trainer = Trainer.__new__(Trainer)
+    trainer.sampling_params = lambda: None
+    trainer.prompt_seeds = lambda step, count: [0] * count
+    trainer.generation_options = dict
+    with pytest.raises(PhaseOutOfMemory) as caught:
+        asyncio.run(trainer.rollout(Client(), [{"input_ids": [1, 2]}], 0))
+    assert "phase 'gen'" in str(caught.value)
+    assert "rollout.gpu_memory_utilization" in str(caught.value)
+    assert "rollout.max_num_seqs" in str(caught.value)
+
+
+def test_other_errors_pass_unchanged():
+    """Only allocation failures become PhaseOutOfMemory."""
+    with pytest.raises(ValueError), phase_memory("update_actor", "actor rank 0"):
+        raise ValueError("bad batch")
+
+
+def test_peaks_are_recorded_per_phase_and_reduced_over_ranks():
+    """Each phase's peak lands in the dict; the metrics take the max over ranks and phases."""
+    peaks: dict = {}
+    with phase_memory("update_actor", "actor rank 0", peaks):
+        torch.ones(1000)
+    assert set(peaks) == {"update_actor"}
+    metrics = memory_metrics([{"gen": (1.0, 2.0), "update_actor": (3.0, 4.0)},
+                              {"update_actor": (5.0, 1.0)}])
+    assert metrics["perf/max_memory_allocated_gb"] == 5.0
+    assert metrics["perf/max_memory_reserved_gb"] == 4.0
+    assert metrics["perf/max_memory_allocated_gb/gen"] == 1.0
+    assert metrics["perf/max_memory_reserved_gb/update_actor"] == 4.0
