@@ -255,11 +255,13 @@ class Trainer:
             with timer("release_rollout", metrics):  # the engines leave the devices to training
                 self.engine_memory("release", ["kv_cache", "weights"])
         self.train_on(batch, metrics)
-        with timer("sync_weights", metrics):
-            if self.cfg.rollout.colocate:
+        if self.cfg.rollout.colocate:
+            with timer("resume_rollout", metrics):  # weights first: the sync writes into them
                 self.engine_memory("resume", ["weights"])
+        with timer("sync_weights", metrics):
             metrics.update(self.sync_weights())
-            if self.cfg.rollout.colocate:
+        if self.cfg.rollout.colocate:
+            with timer("resume_rollout_kv", metrics):
                 self.engine_memory("resume", ["kv_cache"])
         self.end_step(batch, metrics, start)
         return metrics
@@ -492,12 +494,12 @@ class Trainer:
         self.weight_version += 1
         version = str(self.weight_version)
         down = self.on_driver(lambda: sorted(client.down))
-        sent = self.workers.weight_sync(version, down)
+        sync_metrics = self.workers.weight_sync(version, down)
         for engine in down:
             self.on_driver(lambda e=engine: self.run(client.readmit(e, version)))
         stats = self.on_driver(lambda: client.stats)
         self.offload_actor(["param"])
-        return {"checkpoint_engine/bytes": float(sent),
+        return {**sync_metrics,
                 "rollout/weight_version": float(self.weight_version),
                 "rollout/engine_restarts": float(len(down)),
                 "rollout/engine_failures": float(stats.engine_failures),

@@ -44,8 +44,9 @@ class Workers:
     reports: list[bool]
     """Whether an actor rank returns results for its data-parallel group."""
     num_rollout_gpus: int
-    weight_sync: Callable[[str], int]
-    """Push the actor's weights to every engine under a version string; returns bytes sent."""
+    weight_sync: Callable[..., dict[str, float]]
+    """Push the actor's weights to every engine under a version string; returns its
+    ``checkpoint_engine/*`` metrics (bytes sent, and where the time went)."""
     started_ray: bool = False
     critic: CriticWorkers | None = None
     """The value model's workers (``algorithm.adv_estimator=gae``), on the train pool."""
@@ -139,7 +140,7 @@ class _DriverHttp:
 
 
 def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
-                 device: str) -> Callable[..., int]:
+                 device: str) -> Callable[..., dict[str, float]]:
     """The per-step sync function ``sync(version, restart=())``, over SGLang's protocol:
     colocated engines (``checkpoint_engine.backend`` ipc) get ``/update_weights_from_tensor``
     from the train ranks sharing their GPUs; separate pools (nccl; gloo on CPU) get
@@ -152,18 +153,22 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
     plan = plan_buckets(actor.execute_all("weight_specs")[0], DTYPES[dtype].itemsize,
                         cfg.checkpoint_engine.bucket_size_mb)
     if weight_sync_backend(cfg) == "ipc":
-        def sync_colocated(version: str, restart: list[int] | tuple[int, ...] = ()) -> int:
+        def sync_colocated(version: str, restart: list[int] | tuple[int, ...] = ()
+                           ) -> dict[str, float]:
             if restart:
                 rollout.execute_all("restart", [urls[i] for i in restart], timeout)
-            return sum(actor.execute_all("send_weights_colocated", dtype, plan, urls, gpus,
-                                         version, cfg.rollout.api_key, timeout))
+            ranks = actor.execute_all("send_weights_colocated", dtype, plan, urls, gpus,
+                                      version, cfg.rollout.api_key, timeout)
+            return {"checkpoint_engine/bytes": sum(r["bytes"] for r in ranks),
+                    "checkpoint_engine/pack_s": max(r["pack_s"] for r in ranks),
+                    "checkpoint_engine/engine_wait_s": max(r["engine_s"] for r in ranks)}
 
         return sync_colocated
     return _broadcast_sync(cfg, actor, rollout, urls, is_driver, device, plan)
 
 
 def _broadcast_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
-                    device: str, plan: list[BucketSpec]) -> Callable[..., int]:
+                    device: str, plan: list[BucketSpec]) -> Callable[..., dict[str, float]]:
     """Open the weight-update group (train rank 0 + every engine GPU: engine i's TP rank r is
     ``1 + i * gpus_per_engine + r``) and return the broadcast sync function."""
     backend = "nccl" if device == "cuda" else "gloo"
@@ -191,7 +196,7 @@ def _broadcast_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], i
 
     open_group(urls)
 
-    def sync(version: str, restart: list[int] | tuple[int, ...] = ()) -> int:
+    def sync(version: str, restart: list[int] | tuple[int, ...] = ()) -> dict[str, float]:
         if restart:
             reform(list(restart))
 
@@ -206,7 +211,7 @@ def _broadcast_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], i
         receiving = _DriverHttp(urls, receive if is_driver else None, cfg.rollout.api_key, gpus)
         sent = actor.execute_all("broadcast_weights", dtype, plan)[0]
         receiving.join(timeout, "sync_weights")
-        return int(sent)
+        return {"checkpoint_engine/bytes": float(sent)}
 
     return sync
 

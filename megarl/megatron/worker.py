@@ -316,10 +316,11 @@ class ActorWorker(Worker):
 
     def send_weights_colocated(self, dtype: str, plan: list[BucketSpec], urls: list[str],
                                gpus_per_engine: int, version: str, api_key: str | None,
-                               timeout_s: float) -> int:
+                               timeout_s: float) -> dict[str, float]:
         """Export HF-named tensors (collective) and hand each bucket of ``plan`` to the engine
         sharing this rank's GPU through SGLang's ``/update_weights_from_tensor`` (CUDA IPC
-        handles; inline bytes on CPU). Returns the bytes this rank packed."""
+        handles; inline bytes on CPU). Returns the bytes this rank packed and the seconds spent
+        packing and waiting for the engine."""
         key = (tuple(urls), gpus_per_engine)
         if self._colocated is None or self._colocated[0] != key:
             if self._colocated is not None:
@@ -327,8 +328,10 @@ class ActorWorker(Worker):
             sender = ColocatedSender(self.rank, self.world_size, urls, gpus_per_engine,
                                      api_key=api_key, timeout_s=timeout_s)
             self._colocated = (key, sender)
-        return self._colocated[1].send(self._export(), plan, DTYPES[dtype],
-                                       torch.device(self.device), version)
+        sender = self._colocated[1]
+        sent = sender.send(self._export(), plan, DTYPES[dtype], torch.device(self.device),
+                           version)
+        return {"bytes": float(sent), **{f"{k}_s": v for k, v in sender.seconds.items()}}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model in HF names (rank 0's copy; for tests and checks on tiny models)."""

@@ -19,6 +19,7 @@ driver, which posts the matching HTTP calls), and send each bucket as SGLang's
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -142,6 +143,9 @@ class ColocatedSender:
         self.group = self._engine_groups(world_size, gpus_per_engine)
         self.size = gpus_per_engine
         self.leader = self.engine * gpus_per_engine
+        self.seconds: dict[str, float] = {}
+        """Where the last :meth:`send` spent its time: ``pack`` (export, cast, copy into the
+        bucket, serialize, gather) and ``engine`` (waiting for the engine's replies)."""
         self._http = None
         if self.tp_rank == 0:
             import httpx
@@ -168,6 +172,8 @@ class ColocatedSender:
         buffers = [_bucket_buffer(plan, dtype.itemsize, device) for _ in range(min(2, len(plan)))]
         pending: _Post | None = None
         sent = 0
+        self.seconds = {"pack": 0.0, "engine": 0.0}
+        start = time.perf_counter()
         for index, bucket in enumerate(iter_buckets(named, plan, dtype)):
             # buffers[index % 2] held bucket index-2, whose reply came before bucket index-1
             # was posted: at most two buckets exist, one in flight and one being packed
@@ -176,7 +182,11 @@ class ColocatedSender:
                 torch.cuda.current_stream(device).synchronize()
             entries = self._gather(serialize(payload))
             sent += payload["flattened_tensor"].numel()
+            waited = time.perf_counter()
+            self.seconds["pack"] += waited - start
             self._settle(pending)  # the engine loads buckets in order: one post at a time
+            start = time.perf_counter()
+            self.seconds["engine"] += start - waited
             pending = None
             if self._http is not None:
                 last = index == len(plan) - 1
@@ -184,7 +194,10 @@ class ColocatedSender:
                         "flush_cache": last, "abort_all_requests": False,
                         "weight_version": version if last else None}
                 pending = _Post(self._http, self.url, body)
+        waited = time.perf_counter()
+        self.seconds["pack"] += waited - start
         self._settle(pending)
+        self.seconds["engine"] += time.perf_counter() - waited
         return sent
 
     def _gather(self, entry: str) -> list[str]:

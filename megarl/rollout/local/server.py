@@ -241,8 +241,6 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
     async def resume_memory(request: Request) -> JSONResponse:
         tags = (await _body(request, required=False)).get("tags") or list(MEMORY_TAGS)
         message = await asyncio.wrap_future(engine.call(lambda: engine.resume_memory(tags)))
-        if "weights" in tags:
-            await asyncio.to_thread(state.receiver.refresh)
         return _outcome(True, message)
 
 

@@ -43,11 +43,6 @@ class WeightReceiver:
         self.checker = WeightsChecker(self.weights)
         self.groups: dict[str, dist.ProcessGroup] = {}
 
-    def refresh(self) -> None:
-        """Re-resolve weight views after the model's tensors moved (memory resume)."""
-        self.weights = WeightMap(self.engine.runner.model)
-        self.checker = WeightsChecker(self.weights)
-
     def _on_engine(self, fn: Any) -> Any:
         return self.engine.call(fn).result()
 

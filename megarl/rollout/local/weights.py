@@ -23,8 +23,11 @@ class UnknownWeight(KeyError):
     """A weight name that is neither a checkpoint name nor a parameter of the model."""
 
 
-def _strided_spec(index: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
-    """(size, stride, offset) such that ``flat.as_strided(...) == index``, or None."""
+def _strided_spec(index: torch.Tensor, probe: torch.Tensor
+                  ) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """(size, stride, offset) such that ``probe.as_strided(...) == index``, or None; ``probe``
+    is ``arange`` over the whole parameter (made once per parameter: one per checkpoint name
+    cost time proportional to experts x parameter size)."""
     if index.numel() == 0:
         return None
     offset = int(index.reshape(-1)[0])
@@ -37,8 +40,9 @@ def _strided_spec(index: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]
         unit[dim] = 1
         strides.append(int(index[tuple(unit)]) - offset)
     size = tuple(index.shape)
-    probe = torch.arange(offset + 1 + sum((s - 1) * abs(st) for s, st in zip(size, strides)))
     if any(st < 0 for st in strides):
+        return None
+    if offset + 1 + sum((s - 1) * st for s, st in zip(size, strides)) > probe.numel():
         return None
     if not torch.equal(probe.as_strided(size, strides, offset), index):
         return None
@@ -59,10 +63,10 @@ class WeightMap:
             if not tensor.is_contiguous():
                 raise ValueError(f"parameter {name} is not contiguous; the embedded engine "
                                  "writes weights through strided views of contiguous tensors")
-            index = torch.arange(tensor.numel()).view(tensor.shape)
-            reverted = revert_weight_conversion(model, {name: index})
+            probe = torch.arange(tensor.numel())
+            reverted = revert_weight_conversion(model, {name: probe.view(tensor.shape)})
             for ckpt_name, ckpt_index in reverted.items():
-                spec = _strided_spec(ckpt_index)
+                spec = _strided_spec(ckpt_index, probe)
                 if spec is None:
                     raise ValueError(f"checkpoint tensor {ckpt_name} is not a strided view of "
                                      f"parameter {name}; this model's weight conversion is not "
