@@ -32,9 +32,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
-from pathlib import Path
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,8 +46,7 @@ from megarl.rollout.sglang.codec import decode_generate_answer, generate_payload
 
 logger = logging.getLogger(__name__)
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-"""What ``/release_memory_occupation`` with ``tags: null`` releases."""
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what tags=null releases
 
 RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
              httpx.WriteError, httpx.ConnectTimeout, httpx.PoolTimeout)
