@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -203,20 +204,23 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
 
 
 async def _health_probe(state: ServerState) -> bool:
-    """SGLang's ``/health``: whether a one-token generation gets through within
-    ``health_check_timeout_s`` (while generation is paused or memory released it waits)."""
+    """SGLang's ``/health``: whether the engine makes progress (a generation step, its own
+    one-token probe's or a running request's) within ``health_check_timeout_s``; while
+    generation is paused or memory released, nothing runs and the answer is False."""
     engine = state.engine
     if not engine.alive:
         return False
+    steps = engine.steps
     probe = EngineRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[0],
                           params=SamplingParams(max_new_tokens=1, temperature=0.0))
-    future = asyncio.wrap_future(engine.submit(probe))
-    try:
-        await asyncio.wait_for(asyncio.shield(future), timeout=state.health_check_timeout_s)
-    except (TimeoutError, RuntimeError):
-        engine.abort(probe.rid)
+    future = engine.submit(probe)
+    deadline = time.monotonic() + state.health_check_timeout_s
+    while not future.done() and engine.steps == steps and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    engine.abort(probe.rid)
+    if future.done() and future.exception() is not None:
         return False
-    return True
+    return future.done() or engine.steps != steps
 
 
 def _info_routes(app: FastAPI, state: ServerState) -> None:
