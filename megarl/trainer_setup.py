@@ -24,6 +24,7 @@ from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.update import LossSettings
 from megarl.megatron.worker import DTYPES, ActorSpec, ActorWorker
+from megarl.rollout.routed_experts import RoutedExpertsLayout
 from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker
 from megarl.rollout.sglang import SGLangClient
 from megarl.trainer_critic import CriticWorkers, start_critic
@@ -267,13 +268,20 @@ def _remove_pools(pools: dict[str, Any]) -> None:
         pool.remove()
 
 
+def rollout_client(cfg: RunConfig, urls: list[str]) -> SGLangClient:
+    """The trainer's client of the rollout engines; with R3 it knows where the MoE layers sit
+    in SGLang's every-layer ``routed_experts`` (from the model's config.json)."""
+    layout = (RoutedExpertsLayout.from_model_path(cfg.model.path)
+              if cfg.rollout.enable_return_routed_experts else None)
+    return SGLangClient(urls, timeout_s=cfg.trainer.phase_timeout_s,
+                        api_key=cfg.rollout.api_key, routed_experts_layout=layout)
+
+
 def _assemble(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
               device: str, num_rollout_gpus: int, started_ray: bool) -> Workers:
     layouts = actor.execute_all("layout")
     sync = _weight_sync(cfg, actor, rollout, urls, is_driver, device)
-    return Workers(actor=actor, rollout=rollout,
-                   client=SGLangClient(urls, timeout_s=cfg.trainer.phase_timeout_s,
-                                       api_key=cfg.rollout.api_key),
+    return Workers(actor=actor, rollout=rollout, client=rollout_client(cfg, urls),
                    dp_size=layouts[0]["dp_size"], dp_rank=[x["dp_rank"] for x in layouts],
                    reports=[bool(x["reports"]) for x in layouts],
                    num_rollout_gpus=num_rollout_gpus, weight_sync=sync, started_ray=started_ray)

@@ -13,13 +13,16 @@ from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.process import ManagedServer
 
 CONTEXT_LENGTH = 512  # max_position_embeddings of the tiny models
+HEALTH_CHECK_TIMEOUT_S = 1.0  # how long /health waits while paused (SGLang: 20 s)
 
 torch.set_num_threads(1)
 
 
 def _serve(model_dir: Path, log_dir: Path) -> Iterator[ManagedServer]:
     servers = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=log_dir,
-                                   extra_args=["--random-seed", "0"], ready_timeout_s=120)
+                                   extra_args=["--random-seed", "0", "--health-check-timeout",
+                                               str(HEALTH_CHECK_TIMEOUT_S)],
+                                   ready_timeout_s=120)
     try:
         yield servers[0]
     finally:

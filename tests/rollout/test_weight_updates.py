@@ -154,12 +154,14 @@ def test_checker_disk_and_tensor_updates(url, dirs):
 def test_token_ids_only_model_and_memory_release(url):
     with httpx.Client(base_url=url, timeout=30) as http:
         r = http.post("/generate", json={"text": "hi"})
-        assert r.status_code == 400 and "no tokenizer" in r.json()["message"]
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
         r = http.post("/generate", json={"input_ids": [5], "sampling_params": {
             "max_new_tokens": 2}})
         assert r.status_code == 200 and r.json()["text"] == ""
-        assert http.post("/release_memory_occupation", json={}).json()["success"]
+        released = http.post("/release_memory_occupation", json={})
+        assert released.status_code == 200 and released.json() is None
         r = http.post("/generate", json={"input_ids": [5]})
-        assert r.status_code == 400 and "resume_memory_occupation" in r.json()["message"]
-        assert http.post("/resume_memory_occupation", json={}).json()["success"]
+        assert r.status_code == 400 and "resume_memory_occupation" in r.json()["error"]["message"]
+        resumed = http.post("/resume_memory_occupation", json={})
+        assert resumed.status_code == 200 and resumed.json() is None
         assert http.post("/generate", json={"input_ids": [5]}).status_code == 200

@@ -123,7 +123,7 @@ def engine_tensor(http: httpx.Client, url: str, name: str) -> torch.Tensor:
 
 def weight_version(http: httpx.Client, url: str) -> str:
     """The engine's current weight version."""
-    return http.get(url + "/get_weight_version").json()["weight_version"]
+    return http.get(url + "/model_info").json()["weight_version"]
 
 
 def sha256_checksum(tensor: torch.Tensor) -> str:

@@ -12,7 +12,7 @@ CPU, ``nixl``, ``ipc``, ``disk``). The server answers every message with ``{"ok"
 - Each bucket is copied into the model on the engine thread (:meth:`LocalEngine.call`), between
   generation steps, through the :class:`~megarl.rollout.local.weights.WeightMap` views (per-expert
   checkpoint names land in the fused expert parameters).
-- ``end`` stamps the engine's ``weight_version`` (what ``/get_weight_version`` and every later
+- ``end`` stamps the engine's ``weight_version`` (what ``/model_info`` and every later
   sample report) and, when asked, returns a checksum of every received tensor.
 """
 

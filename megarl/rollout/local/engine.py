@@ -100,6 +100,8 @@ class LocalEngine:
         self.weight_version = weight_version
         self.paused = False
         self.released: set[str] = set()
+        self.steps = 0
+        """Generation steps run so far (``/health`` takes any progress as a sign of life)."""
         self._generator = torch.Generator()
         self._generator.manual_seed(seed if seed is not None else torch.seed())
         # keys of unseeded rows for the fused sampler, from a stream of their own (the
@@ -176,6 +178,7 @@ class LocalEngine:
                 continue
             try:
                 self._step()
+                self.steps += 1
             except Exception as err:  # a failed forward fails its requests, not the server
                 logger.exception("generation step failed")
                 self._fail_all(err)

@@ -4,7 +4,8 @@
 or raises :class:`BadRequest` naming the field and the fix; :func:`sample_to_sglang` writes a
 finished sample as SGLang does: ``{"text", "output_ids", "meta_info"}`` with
 ``output_token_logprobs`` as ``[logprob, token_id, null]`` triples and ``routed_experts`` as
-base64 of int32 values ``(tokens, layers, top_k)``.
+base64 of int32 values ``(tokens, num_hidden_layers, top_k)``: a row for every layer, 0 for the
+dense ones, as SGLang's capturer leaves them.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.engine import Request, SampleResult
+from megarl.rollout.routed_experts import RoutedExpertsLayout
 
 # Top-level /generate fields that would change the answer and that megarl does not implement.
 UNSUPPORTED_TRUTHY = ("stream", "top_logprobs_num", "token_ids_logprob", "return_hidden_states",
@@ -135,13 +138,15 @@ def parse_generate(body: Any, limits: Limits, tokenizer: Any = None) -> tuple[li
     return requests, batched or any(r.params.n > 1 for r in requests)
 
 
-def encode_routed_experts(routes: Any) -> str:
-    """base64 of the int32 values of a ``(tokens, layers, top_k)`` tensor (SGLang's format)."""
-    array = np.ascontiguousarray(routes.numpy().astype(np.int32))
+def encode_routed_experts(routes: torch.Tensor, layout: RoutedExpertsLayout) -> str:
+    """base64 of the int32 values of ``(tokens, num_hidden_layers, top_k)`` (SGLang's format)
+    for the MoE layers' routes ``(tokens, moe_layers, top_k)``."""
+    array = np.ascontiguousarray(layout.all_layers(routes).numpy().astype(np.int32))
     return base64.b64encode(array.tobytes()).decode("ascii")
 
 
-def sample_to_sglang(result: SampleResult, n: int, tokenizer: Any = None) -> dict[str, Any]:
+def sample_to_sglang(result: SampleResult, n: int, tokenizer: Any = None,
+                     layout: RoutedExpertsLayout | None = None) -> dict[str, Any]:
     """One element of SGLang's ``/generate`` answer."""
     meta: dict[str, Any] = {
         "id": result.rid if n == 1 else f"{result.rid}-{result.index}",
@@ -157,6 +162,8 @@ def sample_to_sglang(result: SampleResult, n: int, tokenizer: Any = None) -> dic
             [lp, tok, None] for lp, tok in zip(result.logprobs, result.output_ids)]
         meta["input_token_logprobs"] = []
     if result.routed_experts is not None:
-        meta["routed_experts"] = encode_routed_experts(result.routed_experts)
+        if layout is None:
+            raise ValueError("routed experts captured but the model's layout is unknown")
+        meta["routed_experts"] = encode_routed_experts(result.routed_experts, layout)
     text = tokenizer.decode(result.output_ids) if tokenizer is not None else ""
     return {"text": text, "output_ids": result.output_ids, "meta_info": meta}

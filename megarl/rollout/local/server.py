@@ -3,8 +3,10 @@
 ``python -m megarl.rollout.local.server --model PATH --host 127.0.0.1 --port P`` (also
 ``megarl serve``). Request and response shapes are SGLang's (see
 shared/reference/SGLANG_API.md), so megarl's SGLang client drives this server and real SGLang
-servers alike. Bad requests get HTTP 400 with ``{"object": "error", "message": ...}`` and the
-server keeps serving. ``POST /megarl/weights`` also hosts megarl's own checkpoint-engine
+servers alike. Errors are answered as SGLang does, and the server keeps serving: a request
+SGLang would reject while validating its body (malformed JSON, a missing field) gets 400
+``{"object": "error", "message", "type", "param", "code"}``; one it rejects while running it
+(``/generate`` input, ``/release_memory_occupation`` ...) gets 400 ``{"error": {"message"}}``. ``POST /megarl/weights`` also hosts megarl's own checkpoint-engine
 protocol (:mod:`megarl.rollout.local.checkpoint_engine`).
 
 Security: ``/update_weights_from_tensor`` unpickles its payload, as SGLang does (and the ``ipc``
@@ -25,6 +27,8 @@ import json
 import logging
 import os
 import sys
+import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,13 +46,24 @@ from megarl.rollout.local.launch import API_KEY_ENV, is_loopback_host
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.protocol import BadRequest, Limits, parse_generate, sample_to_sglang
 from megarl.rollout.local.weight_updates import WeightReceiver
+from megarl.rollout.routed_experts import RoutedExpertsLayout
 
 logger = logging.getLogger(__name__)
 
 
+class InvalidBody(BadRequest):
+    """A body SGLang's request validation would refuse (its ``ErrorResponse`` shape)."""
+
+
 def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"object": "error", "message": message, "type": "BadRequestError",
+    """SGLang's validation-error answer."""
+    return JSONResponse({"object": "error", "message": message, "type": "Bad Request",
                          "param": None, "code": status}, status_code=status)
+
+
+def _failure(message: str) -> JSONResponse:
+    """SGLang's answer to a request that failed while it ran (``_create_error_response``)."""
+    return JSONResponse({"error": {"message": message}}, status_code=400)
 
 
 def _outcome(success: bool, message: str) -> JSONResponse:
@@ -60,22 +75,22 @@ async def _body(request: Request, required: bool = True) -> dict[str, Any]:
     raw = await request.body()
     if not raw.strip():
         if required:
-            raise BadRequest("the request body is empty; send a JSON object")
+            raise InvalidBody("the request body is empty; send a JSON object")
         return {}
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise BadRequest(f"malformed JSON body: {err}") from None
+        raise InvalidBody(f"malformed JSON body: {err}") from None
     if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+        raise InvalidBody("the request body must be a JSON object")
     return body
 
 
 def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...]) -> Any:
     if name not in body:
-        raise BadRequest(f"{name}: required field is missing")
+        raise InvalidBody(f"{name}: required field is missing")
     if not isinstance(body[name], kind):
-        raise BadRequest(f"{name}: expected {getattr(kind, '__name__', kind)}")
+        raise InvalidBody(f"{name}: expected {getattr(kind, '__name__', kind)}")
     return body[name]
 
 
@@ -93,6 +108,10 @@ class ServerState:
     """megarl's checkpoint-engine protocol (``POST /megarl/weights``)."""
     api_key: str | None = field(default=None, repr=False)
     """Key every request must carry (``Authorization: Bearer``); None = no check."""
+    routes_layout: RoutedExpertsLayout | None = None
+    """Where the MoE layers sit among all layers (``routed_experts`` has a row per layer)."""
+    health_check_timeout_s: float = 20.0
+    """How long ``/health`` waits for its one-token generation before answering 503."""
 
 
 class ApiKeyGuard:
@@ -145,27 +164,14 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
             for r in requests:
                 engine.abort(r.rid)
             raise
-        out = [sample_to_sglang(s, r.params.n, state.tokenizer)
+        out = [sample_to_sglang(s, r.params.n, state.tokenizer, state.routes_layout)
                for r, samples in zip(requests, results) for s in samples]
         return out if as_list else out[0]
 
     @app.get("/health")
-    async def health() -> Response:
-        return Response(status_code=200 if engine.alive else 503)
-
     @app.get("/health_generate")
-    async def health_generate() -> Response:
-        if not engine.alive:
-            return Response(status_code=503)
-        if engine.paused or engine.released:
-            return Response(status_code=200)
-        probe = EngineRequest(rid="health_generate", prompt_ids=[0],
-                              params=SamplingParams(max_new_tokens=1, temperature=0.0))
-        try:
-            await asyncio.wait_for(asyncio.wrap_future(engine.submit(probe)), timeout=60)
-        except (TimeoutError, RuntimeError):
-            return Response(status_code=503)
-        return Response(status_code=200)
+    async def health() -> Response:
+        return Response(status_code=200 if await _health_probe(state) else 503)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -189,34 +195,52 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest(f"mode: {mode!r} must be one of abort, retract, in_place")
         await asyncio.wrap_future(engine.pause(mode))
-        return {"message": f"Generation paused ({mode}).", "status": 200}
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation() -> Any:
         await asyncio.wrap_future(engine.resume())
-        return {"message": "Generation continued.", "status": 200}
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+
+async def _health_probe(state: ServerState) -> bool:
+    """SGLang's ``/health``: whether the engine makes progress (a generation step, its own
+    one-token probe's or a running request's) within ``health_check_timeout_s``; while
+    generation is paused or memory released, nothing runs and the answer is False."""
+    engine = state.engine
+    if not engine.alive:
+        return False
+    steps = engine.steps
+    probe = EngineRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", prompt_ids=[0],
+                          params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    future = engine.submit(probe)
+    deadline = time.monotonic() + state.health_check_timeout_s
+    while not future.done() and engine.steps == steps and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    engine.abort(probe.rid)
+    if future.done() and future.exception() is not None:
+        return False
+    return future.done() or engine.steps != steps
 
 
 def _info_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
+    @app.get("/model_info")
     @app.get("/get_model_info")
-    async def get_model_info() -> Any:
-        runner = engine.runner
+    async def model_info() -> Any:
+        config = engine.runner.config
         return {"model_path": state.model_path, "tokenizer_path": state.model_path,
-                "is_generation": True, "weight_version": engine.weight_version,
-                "preferred_sampling_params": None, "has_tokenizer": state.tokenizer is not None,
-                "vocab_size": runner.vocab_size, "context_length": runner.context_length,
-                "num_moe_layers": runner.router.num_layers, "moe_top_k": runner.top_k}
+                "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": engine.weight_version, "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "model_type": getattr(config, "model_type", None),
+                "architectures": getattr(config, "architectures", None)}
 
     @app.get("/get_server_info")
     async def get_server_info() -> Any:
         return {**state.args, "internal_states": [engine.load_state()],
                 "version": "megarl-embedded"}
-
-    @app.get("/get_weight_version")
-    async def get_weight_version() -> Any:
-        return {"weight_version": engine.weight_version}
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
@@ -232,16 +256,22 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
         return _outcome(True, f"weight_version={version}")
 
     @app.post("/release_memory_occupation")
-    async def release_memory(request: Request) -> JSONResponse:
+    async def release_memory(request: Request) -> Response:
         tags = (await _body(request, required=False)).get("tags") or list(MEMORY_TAGS)
-        message = await asyncio.wrap_future(engine.call(lambda: engine.release_memory(tags)))
-        return _outcome(True, message)
+        try:
+            await asyncio.wrap_future(engine.call(lambda: engine.release_memory(tags)))
+        except ValueError as err:
+            return _failure(str(err))
+        return JSONResponse(None)
 
     @app.post("/resume_memory_occupation")
-    async def resume_memory(request: Request) -> JSONResponse:
+    async def resume_memory(request: Request) -> Response:
         tags = (await _body(request, required=False)).get("tags") or list(MEMORY_TAGS)
-        message = await asyncio.wrap_future(engine.call(lambda: engine.resume_memory(tags)))
-        return _outcome(True, message)
+        try:
+            await asyncio.wrap_future(engine.call(lambda: engine.resume_memory(tags)))
+        except ValueError as err:
+            return _failure(str(err))
+        return JSONResponse(None)
 
 
 def _weight_routes(app: FastAPI, state: ServerState) -> None:
@@ -311,17 +341,17 @@ def build_app(state: ServerState) -> FastAPI:
     if state.api_key:
         app.add_middleware(ApiKeyGuard, api_key=state.api_key)
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(request: Request, err: BadRequest) -> JSONResponse:
+    @app.exception_handler(InvalidBody)
+    async def invalid_body(request: Request, err: InvalidBody) -> JSONResponse:
         return _error(str(err))
 
     @app.exception_handler(KeyError)
     async def key_error(request: Request, err: KeyError) -> JSONResponse:
-        return _error(str(err.args[0]) if err.args else "unknown key")
+        return _failure(str(err.args[0]) if err.args else "unknown key")
 
     @app.exception_handler(ValueError)
     async def value_error(request: Request, err: ValueError) -> JSONResponse:
-        return _error(str(err))
+        return _failure(str(err))
 
     _generation_routes(app, state)
     _info_routes(app, state)
@@ -349,6 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="do not load a tokenizer; token ids in and out")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--health-check-timeout", type=float, default=20.0,
+                   help="seconds /health waits for its one-token generation (SGLang: "
+                        "SGLANG_HEALTH_CHECK_TIMEOUT, 20) before answering 503")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -367,9 +400,23 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     receiver = WeightReceiver(engine)
     state = ServerState(engine, receiver, tokenizer, limits, args.model,
                         {k: v for k, v in vars(args).items()},
-                        CheckpointEndpoint(engine, receiver), api_key=api_key)
+                        CheckpointEndpoint(engine, receiver), api_key=api_key,
+                        routes_layout=_routes_layout(args.model, runner),
+                        health_check_timeout_s=args.health_check_timeout)
     engine.start()
     return state
+
+
+def _routes_layout(model_path: str, runner: ModelRunner) -> RoutedExpertsLayout | None:
+    """The served model's routed-experts layout, checked against the routers it captures."""
+    if runner.router.num_layers == 0:
+        return None
+    layout = RoutedExpertsLayout.from_model_path(model_path)
+    if layout is None or len(layout.moe_layers) != runner.router.num_layers:
+        raise ValueError(f"{model_path}/config.json names MoE layers "
+                         f"{None if layout is None else layout.moe_layers}, but the model "
+                         f"has {runner.router.num_layers} routers")
+    return layout
 
 
 def serve_main(argv: list[str]) -> int:

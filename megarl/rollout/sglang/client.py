@@ -14,7 +14,10 @@ Engine failures (see :mod:`megarl.rollout.recovery` for bringing engines back):
   answers ``/health``; when it does not, the engine is marked *down* (``on_engine_down`` is
   called), every request in flight on it is cancelled there, and each is re-sent to another
   engine. ``/health`` checks (:meth:`SGLangClient.health`, :meth:`SGLangClient.monitor`) mark
-  an engine down after ``unhealthy_after`` failures in a row, which catches hung engines;
+  an engine down after ``unhealthy_after`` failures in a row, which catches hung engines.
+  SGLang's ``/health`` is a one-token generation: while this client has paused generation on
+  an engine (:meth:`SGLangClient.pause`) or released its memory, the check blocks and ends in
+  a 503, so only a lost connection counts as a failure then (:meth:`SGLangClient.held`);
 - a down engine takes no requests until :meth:`SGLangClient.readmit` checked that it serves the
   expected ``weight_version``; while every engine is down a request waits up to
   ``failover_timeout_s`` for one to be readmitted;
@@ -31,15 +34,19 @@ import logging
 import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from megarl.rollout.balancer import LoadBalancer, NoHealthyEngine
 from megarl.rollout.interface import PauseMode, RolloutEngine, RolloutSample, SamplingParams
+from megarl.rollout.routed_experts import RoutedExpertsLayout
 from megarl.rollout.sglang.codec import decode_generate_answer, generate_payload
 
 logger = logging.getLogger(__name__)
+
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # what tags=null releases
 
 RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
              httpx.WriteError, httpx.ConnectTimeout, httpx.PoolTimeout)
@@ -79,7 +86,7 @@ class SGLangClient(RolloutEngine):
         max_retries: int = 3,
         retry_backoff_s: float = 0.5,
         timeout_s: float | None = None,
-        routed_experts_layout: tuple[int, int] | None = None,
+        routed_experts_layout: RoutedExpertsLayout | None = None,
         ranks_per_engine: int = 1,
         api_key: str | None = None,
         retry_aborted: int = 0,
@@ -104,11 +111,13 @@ class SGLangClient(RolloutEngine):
         self.stats = ClientStats(requests=[0] * len(self.urls))
         self._limit = max_concurrency_per_engine
         self._semaphores: list[asyncio.Semaphore] | None = None
-        self._layouts: dict[int, tuple[int, int] | None] = {}
+        self._layouts: dict[int, RoutedExpertsLayout | None] = {}
         self._default_layout = routed_experts_layout
         self._rid_engine: dict[str, int] = {}
         self._inflight: list[set[asyncio.Task]] = [set() for _ in self.urls]
         self._failed_checks = [0] * len(self.urls)
+        self._paused: set[int] = set()
+        self._released: list[set[str]] = [set() for _ in self.urls]
         self._aborted_rids: set[str] = set()
         self._abort_epoch = 0
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
@@ -164,7 +173,7 @@ class SGLangClient(RolloutEngine):
               for url, body in zip(urls, bodies)))
         messages = []
         for url, response in zip(urls, responses):
-            data = response.json() if response.content else {}
+            data = _json_object(response)
             if response.status_code >= 400 or not data.get("success", True):
                 reason = data.get("message", _message(response))
                 raise EngineError(f"POST {url}{path} failed: {reason}")
@@ -315,15 +324,27 @@ class SGLangClient(RolloutEngine):
             self._semaphores = [asyncio.Semaphore(self._limit) for _ in self.urls]
         return self._semaphores[engine]
 
-    async def _layout(self, engine: int) -> tuple[int, int] | None:
-        """(moe_layers, top_k) of routed experts: given, or read from ``/get_model_info``."""
+    async def _layout(self, engine: int) -> RoutedExpertsLayout | None:
+        """Where the MoE layers sit in ``routed_experts``: given, or read from the config.json
+        of the ``model_path`` the engine reports in ``/model_info`` (when this machine sees
+        that directory; SGLang's ``/model_info`` has no MoE fields)."""
         if self._default_layout is not None:
             return self._default_layout
         if engine not in self._layouts:
-            info = await self._json("GET", self.urls[engine] + "/get_model_info")
-            layers, top_k = info.get("num_moe_layers"), info.get("moe_top_k")
-            self._layouts[engine] = (int(layers), int(top_k)) if layers and top_k else None
+            path = Path(str((await self._model_info(engine)).get("model_path") or ""))
+            found = (path / "config.json").is_file()
+            self._layouts[engine] = RoutedExpertsLayout.from_model_path(path) if found else None
         return self._layouts[engine]
+
+    async def _model_info(self, engine: int) -> dict[str, Any]:
+        """``/model_info`` of ``engine`` (``/get_model_info`` on SGLang versions before it)."""
+        response = await self._request("GET", self.urls[engine] + "/model_info")
+        if response.status_code == 404:
+            response = await self._request("GET", self.urls[engine] + "/get_model_info")
+        if response.status_code >= 400:
+            raise EngineError(f"GET {response.request.url} -> HTTP {response.status_code}: "
+                              f"{_message(response)}")
+        return _json_object(response)
 
     async def _abort_quietly(self, rid: str) -> None:
         try:
@@ -353,26 +374,36 @@ class SGLangClient(RolloutEngine):
     async def readmit(self, engine: int, weight_version: str | None) -> None:
         """Put a recovered engine back into service once it serves ``weight_version`` (not
         checked when None); raise :class:`EngineError` if it serves another."""
-        info = await self._json("GET", self.urls[engine] + "/get_model_info")
-        served = info.get("weight_version")
+        served = (await self._model_info(engine)).get("weight_version")
         if weight_version is not None and str(served) != str(weight_version):
             raise EngineError(f"engine {engine} ({self.urls[engine]}) serves weight_version "
                               f"{served!r}, expected {weight_version!r}; push the current "
                               "weights to it before readmitting it")
         self._layouts.pop(engine, None)
         self._failed_checks[engine] = 0
+        self._paused.discard(engine)  # a restarted engine is neither paused nor released
+        self._released[engine].clear()
         self.balancer.readmit(engine)
         logger.warning("rollout engine %d (%s) is back at weight_version %r", engine,
                        self.urls[engine], served)
 
+    def held(self, engine: int) -> bool:
+        """Whether this client paused generation on ``engine`` or released its memory: SGLang
+        then holds ``/health`` (a one-token generation) and answers 503 after ~20 s."""
+        return engine in self._paused or bool(self._released[engine])
+
     async def _probe(self, engine: int) -> bool:
-        """Whether the engine answers ``/health`` with 200 within ``health_timeout_s``."""
+        """Whether the engine answers ``/health`` with 200 within ``health_timeout_s``; while
+        :meth:`held`, a timeout or a 503 counts as alive (only a lost connection does not)."""
         try:
             response = await self._http.get(self.urls[engine] + "/health",
                                             timeout=self.health_timeout_s)
+        except httpx.TimeoutException:
+            return self.held(engine)
         except httpx.HTTPError:
             return False
-        return response.status_code == 200
+        return response.status_code == 200 or (self.held(engine)
+                                               and response.status_code == 503)
 
     async def health(self) -> list[bool]:
         """``/health`` of every engine (False when unreachable); an engine that fails
@@ -419,12 +450,15 @@ class SGLangClient(RolloutEngine):
 
     async def pause(self, mode: PauseMode = "retract") -> None:
         """``/pause_generation`` on every engine that is not down."""
-        await self._each("POST", "/pause_generation", {"mode": mode},
-                         engines=self.live_engines())
+        engines = self.live_engines()
+        self._paused.update(engines)  # before the call: health checks may run meanwhile
+        await self._each("POST", "/pause_generation", {"mode": mode}, engines=engines)
 
     async def resume(self) -> None:
         """``/continue_generation`` on every engine that is not down."""
-        await self._each("POST", "/continue_generation", {}, engines=self.live_engines())
+        engines = self.live_engines()
+        await self._each("POST", "/continue_generation", {}, engines=engines)
+        self._paused.difference_update(engines)
 
     async def flush_cache(self) -> list[bool]:
         """``/flush_cache`` on every engine; False where requests were pending."""
@@ -435,16 +469,20 @@ class SGLangClient(RolloutEngine):
     async def release_memory(self, tags: Sequence[str] | None = None) -> None:
         """``/release_memory_occupation`` on every engine."""
         body = {"tags": list(tags) if tags is not None else None}
+        for released in self._released:
+            released.update(tags if tags is not None else MEMORY_TAGS)
         await self._each_outcome("/release_memory_occupation", [body] * len(self.urls))
 
     async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
         """``/resume_memory_occupation`` on every engine."""
         body = {"tags": list(tags) if tags is not None else None}
         await self._each_outcome("/resume_memory_occupation", [body] * len(self.urls))
+        for released in self._released:
+            released.difference_update(tags if tags is not None else MEMORY_TAGS)
 
     async def get_weight_version(self) -> list[str | None]:
-        """Each engine's ``weight_version``."""
-        infos = await self._each("GET", "/get_model_info", retry=True)
+        """Each engine's ``weight_version`` (from ``/model_info``)."""
+        infos = await asyncio.gather(*(self._model_info(i) for i in range(len(self.urls))))
         return [info.get("weight_version") for info in infos]
 
     async def update_weight_version(self, new_version: str,
@@ -559,6 +597,16 @@ def _pooled(connections: int, timeout_s: float | None,
         timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers,
         limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
                             keepalive_expiry=2.0))
+
+
+def _json_object(response: httpx.Response) -> dict[str, Any]:
+    """The JSON object of an answer; {} for an empty body, a JSON ``null`` (SGLang's success
+    answer to ``/release_memory_occupation``) or anything else that is not an object."""
+    try:
+        data = response.json() if response.content else None
+    except ValueError:
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def _message(response: httpx.Response) -> str:

@@ -5,8 +5,9 @@ Differences tolerated when decoding (see shared/reference/SGLANG_API.md):
   (old versions), or None;
 - ``output_token_logprobs``: ``[logprob, token_id, text]`` or ``[logprob, token_id]`` entries;
 - response token ids: top-level ``output_ids``, else the ids inside ``output_token_logprobs``;
-- ``routed_experts``: base64 of int32 values or a nested list; reshaped to
-  ``(tokens, layers, top_k)`` and stored as int16;
+- ``routed_experts``: base64 of int32 values or a nested list, ``(tokens, num_hidden_layers,
+  top_k)`` (every layer, dense ones too); the MoE layers' rows are kept, as int16
+  ``(tokens, moe_layers, top_k)`` (:class:`RoutedExpertsLayout`);
 - ``weight_version``: absent before SGLang added it (then None).
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from megarl.rollout.interface import RolloutSample, SamplingParams
+from megarl.rollout.routed_experts import RoutedExpertsLayout
 
 KNOWN_META = {"id", "finish_reason", "output_token_logprobs", "routed_experts",
               "weight_version", "input_token_logprobs"}
@@ -58,11 +60,12 @@ def parse_finish_reason(raw: Any) -> tuple[str, int | None]:
     return kind, matched if isinstance(matched, int) else None
 
 
-def decode_routed_experts(raw: Any, layout: tuple[int, int] | None) -> torch.Tensor:
-    """``meta_info.routed_experts`` -> int16 ``[tokens, layers, top_k]``."""
+def decode_routed_experts(raw: Any, layout: RoutedExpertsLayout | None) -> torch.Tensor:
+    """``meta_info.routed_experts`` (every layer) -> int16 ``[tokens, moe_layers, top_k]``."""
     if layout is None:
-        raise ResponseFormatError("routed_experts: the layout (moe_layers, top_k) is unknown; "
-                                  "pass routed_experts_layout=(layers, top_k) to SGLangClient")
+        raise ResponseFormatError("routed_experts: the layout is unknown; pass "
+                                  "routed_experts_layout=RoutedExpertsLayout.from_model_path("
+                                  "model_path) to SGLangClient")
     if isinstance(raw, str):
         data = base64.b64decode(raw)
         if len(data) % 4:
@@ -71,16 +74,18 @@ def decode_routed_experts(raw: Any, layout: tuple[int, int] | None) -> torch.Ten
         values = np.frombuffer(data, dtype=np.int32)
     else:
         values = np.asarray(raw, dtype=np.int32).reshape(-1)
-    layers, top_k = layout
-    if values.size % (layers * top_k):
+    width = layout.num_layers * layout.top_k
+    if values.size % width:
         raise ResponseFormatError(f"routed_experts: {values.size} values do not divide into "
-                                  f"rows of {layers} layers x {top_k} experts; check "
-                                  "routed_experts_layout")
-    return torch.from_numpy(values.astype(np.int16)).view(-1, layers, top_k)
+                                  f"rows of {layout.num_layers} layers x {layout.top_k} "
+                                  "experts; check routed_experts_layout against the served "
+                                  "model's config.json")
+    routes = torch.from_numpy(values.astype(np.int16)).view(-1, layout.num_layers, layout.top_k)
+    return layout.moe_rows(routes).contiguous()
 
 
 def _one_sample(item: dict[str, Any], prompt_ids: list[int], prompt_index: int,
-                sample_index: int, layout: tuple[int, int] | None) -> RolloutSample:
+                sample_index: int, layout: RoutedExpertsLayout | None) -> RolloutSample:
     if not isinstance(item, dict) or "meta_info" not in item:
         raise ResponseFormatError(f"generate answer item without meta_info: {str(item)[:200]}")
     meta = item["meta_info"]
@@ -110,7 +115,7 @@ def _one_sample(item: dict[str, Any], prompt_ids: list[int], prompt_index: int,
 
 
 def decode_generate_answer(answer: Any, prompt_ids: list[int], prompt_index: int,
-                           layout: tuple[int, int] | None = None) -> list[RolloutSample]:
+                           layout: RoutedExpertsLayout | None = None) -> list[RolloutSample]:
     """The samples of one prompt's ``/generate`` answer (an object, or a list when n > 1)."""
     items = answer if isinstance(answer, list) else [answer]
     return [_one_sample(item, prompt_ids, prompt_index, j, layout)
