@@ -45,3 +45,24 @@ def sglang_io_struct() -> types.ModuleType:
 def _flatten_nested_list() -> object:
     return sglang_ref.load_definitions("srt/utils/common.py", ["flatten_nested_list"],
                                        {})["flatten_nested_list"]
+
+
+@pytest.fixture(scope="session")
+def sglang_tensor_bucket() -> types.ModuleType:
+    """``sglang/srt/weight_sync/tensor_bucket.py`` (imports only torch), under its own name."""
+    return sglang_ref.load_file("srt/weight_sync/tensor_bucket.py",
+                                "sglang.srt.weight_sync.tensor_bucket")
+
+
+@pytest.fixture(scope="session")
+def sglang_serializer() -> types.SimpleNamespace:
+    """``MultiprocessingSerializer`` and its ``SafeUnpickler`` from ``srt/utils/common.py``."""
+    import base64
+    import io
+    import pickle
+    from multiprocessing.reduction import ForkingPickler
+
+    defs = sglang_ref.load_definitions(
+        "srt/utils/common.py", ["MultiprocessingSerializer", "SafeUnpickler"],
+        {"io": io, "pickle": pickle, "ForkingPickler": ForkingPickler, "pybase64": base64})
+    return types.SimpleNamespace(**defs)
