@@ -8,7 +8,6 @@ import re
 import types
 
 import pytest
-
 import sglang_ref
 
 

@@ -30,11 +30,15 @@ CONFIGS = {
         load_format="auto", dtype="auto"),
 }
 
+def _fields(**values: Any) -> dict[str, Any]:
+    return values
+
+
 # What each config means, in ServerArgs field names (after from_cli_args' renaming).
 EXPECTED: dict[str, dict[str, Any]] = {
-    "defaults": dict(model_path="/ckpt/m", host="127.0.0.1", port=30000, tp_size=1,
+    "defaults": _fields(model_path="/ckpt/m", host="127.0.0.1", port=30000, tp_size=1,
                      mem_fraction_static=0.7, skip_tokenizer_init=True),
-    "everything": dict(
+    "everything": _fields(
         model_path="/ckpt/Qwen3-30B-A3B", host="10.0.0.5", port=30010, tp_size=4, dp_size=2,
         ep_size=4, pp_size=2, enable_dp_attention=True, mem_fraction_static=0.75,
         enable_memory_saver=True, skip_tokenizer_init=True, enable_return_routed_experts=True,
@@ -43,7 +47,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",
         context_length=4096, max_running_requests=128, random_seed=1234,
         trust_remote_code=True, log_level="warning", chunked_prefill_size=8192),
-    "tokenizer_and_no_mem_fraction": dict(
+    "tokenizer_and_no_mem_fraction": _fields(
         skip_tokenizer_init=False, mem_fraction_static=None, load_format="auto", dtype="auto"),
 }
 

@@ -50,17 +50,24 @@ PARAMS = [  # every sampling option megarl's SamplingParams has, away from its d
 ]
 
 Call = Callable[[SGLangClient], Awaitable[Any]]
+
+
+def _generate(params: SamplingParams) -> Call:
+    return lambda c: c.generate([[5, 6, 7], [8, 9]], params, return_logprob=True,
+                                return_routed_experts=True)
+
+
+def _pause(mode: str) -> Call:
+    return lambda c: c.pause(mode)
+
 # name -> one client call; together they use every endpoint and every option the client has
 CALLS: dict[str, Call] = {
-    **{f"generate[{i}]": (lambda p: lambda c: c.generate(
-        [[5, 6, 7], [8, 9]], p, return_logprob=True, return_routed_experts=True))(p)
-       for i, p in enumerate(PARAMS)},
+    **{f"generate[{i}]": _generate(p) for i, p in enumerate(PARAMS)},
     "generate_seeds_rids": lambda c: c.generate([[5, 6], [7]], PARAMS[1], rids=["r-a", "r-b"],
                                                 seeds=[100, 200], return_logprob=False),
     "abort_rid": lambda c: c.abort("r-a"),
     "abort_all": lambda c: c.abort(),
-    **{f"pause[{mode}]": (lambda m: lambda c: c.pause(m))(mode)
-       for mode in ("abort", "retract", "in_place")},
+    **{f"pause[{mode}]": _pause(mode) for mode in ("abort", "retract", "in_place")},
     "resume": lambda c: c.resume(),
     "flush_cache": lambda c: c.flush_cache(),
     "release_memory_all": lambda c: c.release_memory(),
