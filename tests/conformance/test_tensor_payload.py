@@ -1,0 +1,130 @@
+"""megarl's flattened-bucket payload (``update_weights_from_tensor`` with ``load_format:
+"flattened_bucket"``) against SGLang's own reader and writer: ``MultiprocessingSerializer`` and
+``SafeUnpickler`` (``sglang/srt/utils/common.py``), ``FlattenedTensorBucket``
+(``sglang/srt/weight_sync/tensor_bucket.py``), as ``model_runner.py``
+``_update_weights_from_flattened_bucket`` uses them."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import pickle
+import sys
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+payload = pytest.importorskip(
+    "megarl.rollout.sglang.tensor_payload",
+    reason="megarl.rollout.sglang.tensor_payload is not in this branch yet (issue 17 point 8)")
+
+
+def _named() -> list[tuple[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        ("layers.0.w", torch.randn(3, 5, generator=gen)),
+        ("layers.0.b", torch.randn(7, generator=gen).to(torch.bfloat16)),
+        ("layers.1.ids", torch.randint(-2**40, 2**40, (2, 3, 1), generator=gen)),
+        ("scale", torch.tensor(1.5)),  # 0-d
+        ("odd", torch.randn(1, 1, 3, generator=gen).to(torch.bfloat16)),
+        ("empty", torch.zeros(0, 4)),
+    ]
+
+
+@contextmanager
+def _sglang_importable(tensor_bucket: types.ModuleType) -> Iterator[None]:
+    """SGLang's unpickler imports the classes a pickle names: let
+    ``sglang.srt.weight_sync.tensor_bucket`` resolve to the module loaded by path, without
+    SGLang's package __init__; sys.modules is restored afterwards."""
+    names = ["sglang", "sglang.srt", "sglang.srt.weight_sync"]
+    saved = {n: sys.modules[n] for n in [*names, tensor_bucket.__name__] if n in sys.modules}
+    for name in names:
+        sys.modules.setdefault(name, types.ModuleType(name))
+    sys.modules[tensor_bucket.__name__] = tensor_bucket
+    try:
+        yield
+    finally:
+        for name in [*names, tensor_bucket.__name__]:
+            sys.modules.pop(name, None)
+        sys.modules.update(saved)
+
+
+def _assert_same(got: list[tuple[str, torch.Tensor]],
+                 want: list[tuple[str, torch.Tensor]]) -> None:
+    assert [n for n, _ in got] == [n for n, _ in want]
+    for (name, a), (_, b) in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), name
+
+
+def _aligned(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """``named`` with the widest dtypes first: SGLang's writer does not pad, and its reader's
+    ``.view(dtype)`` needs every tensor to start at a multiple of its element size."""
+    return sorted(named, key=lambda nt: -nt[1].element_size())
+
+
+def test_sglang_reads_megarls_payload(sglang_serializer: types.SimpleNamespace,
+                                      sglang_tensor_bucket: types.ModuleType) -> None:
+    named = _named()  # fp32, bf16, then int64 at byte 74: megarl must align it (pad or order)
+    data = payload.serialize(payload.flatten_bucket(named))
+    assert isinstance(data, str)
+    with _sglang_importable(sglang_tensor_bucket):
+        obj = sglang_serializer.MultiprocessingSerializer.deserialize(data)
+    assert set(obj) == {"flattened_tensor", "metadata"}
+    assert obj["flattened_tensor"].dtype == torch.uint8
+    # model_runner.py _update_weights_from_flattened_bucket reads these attributes
+    metadata = [sglang_tensor_bucket.FlattenedTensorMetadata(
+        name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx,
+        numel=m.numel) for m in obj["metadata"]]
+    bucket = sglang_tensor_bucket.FlattenedTensorBucket(
+        flattened_tensor=obj["flattened_tensor"], metadata=metadata)
+    _assert_same(bucket.reconstruct_tensors(), named)
+
+
+def test_megarl_reads_sglangs_payload(sglang_serializer: types.SimpleNamespace,
+                                      sglang_tensor_bucket: types.ModuleType) -> None:
+    """What slime and SGLang's own Engine send: FlattenedTensorBucket metadata objects, named
+    ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` in the pickle. megarl reads
+    it where sglang cannot be imported (the embedded server), so its deserialize must resolve
+    that name itself."""
+    named = _aligned(_named())
+    bucket = sglang_tensor_bucket.FlattenedTensorBucket(named_tensors=named)
+    with _sglang_importable(sglang_tensor_bucket):
+        data = sglang_serializer.MultiprocessingSerializer.serialize(
+            {"flattened_tensor": bucket.get_flattened_tensor(),
+             "metadata": bucket.get_metadata()}, output_str=True)
+    obj = payload.deserialize(data)
+    flat = obj["flattened_tensor"]
+    got = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape))
+           for m in obj["metadata"]]
+    _assert_same(got, named)
+
+
+class _Call:
+    def __init__(self, fn: object, arg: str) -> None:
+        self.fn, self.arg = fn, arg
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return self.fn, (self.arg,)
+
+
+@pytest.mark.parametrize("fn", [os.system, eval], ids=["os.system", "builtins.eval"])
+def test_megarl_refuses_code_in_a_payload(fn: object, tmp_path: object) -> None:
+    marker = f"{tmp_path}/ran"
+    arg = f"touch {marker}" if fn is os.system else f"open({marker!r}, 'w')"
+    data = base64.b64encode(pickle.dumps({"flattened_tensor": _Call(fn, arg)})).decode()
+    with pytest.raises(Exception) as err:
+        payload.deserialize(data)
+    assert not os.path.exists(marker), "the payload's code ran"
+    assert not isinstance(err.value, (TypeError, AttributeError)), err.value
+
+
+def test_sglangs_unpickler_refuses_it_too(sglang_serializer: types.SimpleNamespace) -> None:
+    """The reference: SGLang's SafeUnpickler blocks these (CVE-2025-10164)."""
+    data = pickle.dumps(_Call(os.system, "true"))
+    with pytest.raises(RuntimeError, match="Blocked"):
+        sglang_serializer.SafeUnpickler(io.BytesIO(data)).load()
