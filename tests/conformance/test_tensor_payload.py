@@ -19,8 +19,8 @@ import pytest
 import torch
 
 payload = pytest.importorskip(
-    "megarl.rollout.sglang.tensor_payload",
-    reason="megarl.rollout.sglang.tensor_payload is not in this branch yet (issue 17 point 8)")
+    "megarl.weights.flattened",
+    reason="megarl.weights.flattened is missing")
 
 
 def _named() -> list[tuple[str, torch.Tensor]]:
