@@ -10,6 +10,7 @@ from typing import Any
 import httpx
 
 from megarl.rollout.interface import SamplingParams
+from megarl.rollout.local.protocol import MIXED_N_MESSAGE
 from megarl.rollout.sglang.client import SGLangClient
 
 SAMPLED = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
@@ -98,3 +99,65 @@ def test_aborting_a_prompt_aborts_the_requests_of_its_samples():
     assert sorted(engine.aborted) == ["p-0", "p-1"]
     assert [s.finish_reason for s in samples] == ["abort", "abort"]
     assert len(engine.generated) == 2  # aborted by the caller: not re-sent
+
+
+def _post(url: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(url + "/generate", json=body, timeout=60)
+
+
+def test_sampling_seed_is_ignored_without_deterministic_inference(unseeded_server, prompts):
+    body = {"input_ids": prompts[1], "sampling_params": {
+        **SAMPLED.to_sglang(), "sampling_seed": 5}}
+    first, again = (_post(unseeded_server.url, body).json() for _ in range(2))
+    assert first["output_ids"] != again["output_ids"]
+
+
+def test_samples_of_one_seeded_request_are_identical_with_deterministic_inference(
+        server, prompts):
+    sampling = {**SAMPLED.to_sglang(), "sampling_seed": 5}
+    many = _post(server.url, {"input_ids": prompts[1],
+                              "sampling_params": {**sampling, "n": 3}}).json()
+    assert len(many) == 3 and all(m["output_ids"] == many[0]["output_ids"] for m in many)
+    one = _post(server.url, {"input_ids": prompts[1], "sampling_params": sampling}).json()
+    assert one["output_ids"] == many[0]["output_ids"]
+    client_samples = asyncio.run(_client_generate(server.url, prompts[1]))
+    assert client_samples[0].response_ids == one["output_ids"]
+    assert len({tuple(s.response_ids) for s in client_samples}) == 3
+
+
+async def _client_generate(url: str, prompt: list[int]) -> list:
+    client = SGLangClient([url])
+    try:
+        return await client.generate([prompt], SamplingParams(
+            max_new_tokens=12, temperature=1.0, ignore_eos=True, n=3), seeds=[5])
+    finally:
+        await client.close()
+
+
+def test_n_samples_get_fresh_rids_and_aborting_the_parent_rid_does_nothing(server, prompts):
+    body = {"input_ids": prompts[0], "rid": "parent", "sampling_params": {
+        "max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True, "n": 2}}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+            task = asyncio.create_task(http.post("/generate", json=body))
+            for _ in range(500):
+                info = (await http.get("/get_server_info")).json()["internal_states"][0]
+                if info["num_running_reqs"] >= 2:
+                    break
+                await asyncio.sleep(0.02)
+            aborted = await http.post("/abort_request", json={"rid": "parent"})
+            return aborted, (await task).json()
+
+    aborted, answer = asyncio.run(scenario())
+    assert aborted.status_code == 200
+    ids = [a["meta_info"]["id"] for a in answer]
+    assert len(set(ids)) == 2 and "parent" not in ids
+    assert all(a["meta_info"]["finish_reason"]["type"] == "length" for a in answer)
+
+
+def test_a_batch_with_different_n_gets_sglangs_400(server):
+    r = _post(server.url, {"input_ids": [[5, 6], [7]],
+                           "sampling_params": [{"max_new_tokens": 2}, {"max_new_tokens": 2,
+                                                                       "n": 2}]})
+    assert r.status_code == 400 and r.json() == {"error": {"message": MIXED_N_MESSAGE}}
