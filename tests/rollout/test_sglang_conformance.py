@@ -88,7 +88,9 @@ def test_aborting_a_prompt_aborts_the_requests_of_its_samples():
         try:
             task = asyncio.create_task(client.generate([[1, 2]], SamplingParams(
                 max_new_tokens=5, n=2), rids=["p"], seeds=[3]))
-            while len(engine.generated) < 2:
+            for _ in range(500):
+                if len(engine.generated) >= 2:
+                    break
                 await asyncio.sleep(0.01)
             await client.abort("p")
             return await asyncio.wait_for(task, 10)
