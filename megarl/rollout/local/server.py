@@ -40,8 +40,13 @@ from megarl.rollout.local.engine import MEMORY_TAGS, LocalEngine
 from megarl.rollout.local.engine import Request as EngineRequest
 from megarl.rollout.local.launch import API_KEY_ENV, is_loopback_host
 from megarl.rollout.local.model_runner import ModelRunner
-from megarl.rollout.local.protocol import (BadRequest, Limits, NormalizeError, parse_generate,
-                                          sample_to_sglang)
+from megarl.rollout.local.protocol import (
+    BadRequest,
+    Limits,
+    NormalizeError,
+    parse_generate,
+    sample_to_sglang,
+)
 from megarl.rollout.local.weight_updates import WeightReceiver
 
 logger = logging.getLogger(__name__)
