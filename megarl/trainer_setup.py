@@ -308,7 +308,7 @@ def build_naive_workers(cfg: RunConfig, output_dir: Path) -> Workers:
         servers = launch_local_engines(
             cfg.model.path, num_engines, host=spec.host, device=ctx.device,
             num_threads=spec.num_threads, log_dir=spec.log_dir, api_key=spec.api_key,
-            extra_args=["--dtype", spec.dtype, "--random-seed", str(spec.seed)])
+            seed=spec.seed, extra_args=["--dtype", spec.dtype])
     box = [[s.url for s in servers]]
     dist.broadcast_object_list(box, src=0)
     actor = NaiveWorkerGroup(ActorWorker, "actor", args=(actor_spec(cfg),),

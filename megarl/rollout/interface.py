@@ -55,7 +55,9 @@ class SamplingParams:
     n: int = 1
     """Samples per prompt."""
     seed: int | None = None
-    """Per-prompt sampling seed (SGLang ``sampling_seed``); sample j uses ``seed + j``."""
+    """Per-prompt sampling seed (SGLang ``sampling_seed``); the client sends sample j as its own
+    request with ``seed + j``. Engines honour it only with ``--enable-deterministic-inference``,
+    and then give all samples of one n > 1 request the same seed."""
     ignore_eos: bool = False
     """Do not stop at the model's EOS token."""
     min_new_tokens: int = 0

@@ -31,7 +31,9 @@ class EngineSpec:
     host: str = "127.0.0.1"
     dtype: str = "auto"
     max_running_requests: int | None = None
-    seed: int = 0
+    seed: int | None = 0
+    """Run seed: engines start with it and with ``--enable-deterministic-inference`` so that
+    ``sampling_seed`` is honoured (samples reproducible); None leaves sampling unseeded."""
     num_threads: int | None = 1
     gpus_per_engine: int = 1
     mem_fraction: float | None = 0.7
@@ -54,12 +56,13 @@ class RolloutServerWorker(Worker):
         port = free_port(spec.host)
         log = Path(spec.log_dir) / f"rollout_engine{self.rank}.log"
         if spec.backend == "local":
-            extra = ["--dtype", spec.dtype, "--random-seed", str(spec.seed + self.rank)]
+            extra = ["--dtype", spec.dtype]
             if spec.max_running_requests:
                 extra += ["--max-running-requests", str(spec.max_running_requests)]
             device = "cuda" if self.info.device == "cuda" else "cpu"
+            seed = None if spec.seed is None else spec.seed + self.rank
             argv = build_local_command(spec.model_path, host=spec.host, port=port, device=device,
-                                       num_threads=spec.num_threads, extra_args=extra)
+                                       num_threads=spec.num_threads, seed=seed, extra_args=extra)
             self.server = local_server(argv, f"http://{host}:{port}", name=f"engine[{self.rank}]",
                                        log_path=log, api_key=spec.api_key)
         else:
@@ -70,6 +73,7 @@ class RolloutServerWorker(Worker):
                 tp_size=spec.gpus_per_engine, mem_fraction_static=spec.mem_fraction,
                 enable_memory_saver=spec.colocated,
                 enable_return_routed_experts=spec.return_routed_experts,
+                enable_deterministic_inference=spec.seed is not None, random_seed=spec.seed,
                 dtype=None if spec.dtype == "auto" else spec.dtype)
             argv = build_sglang_command(launch) + list(spec.sglang_args)
             if spec.api_key:

@@ -39,7 +39,7 @@ def bf16_batch(moe_dir: str, tmp_path_factory: pytest.TempPathFactory) -> StepBa
     with the engine's log-probs and routed experts (prompt and response tokens)."""
     servers = launch_local_engines(
         moe_dir, 1, num_threads=1, log_dir=tmp_path_factory.mktemp("engine_logs"),
-        extra_args=["--dtype", "bfloat16", "--random-seed", "0"], ready_timeout_s=120)
+        seed=0, extra_args=["--dtype", "bfloat16"], ready_timeout_s=120)
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(5, 128, (int(n),), generator=gen).tolist()
                for n in torch.randint(6, 20, (NUM_PROMPTS,), generator=gen)]

@@ -18,9 +18,9 @@ HEALTH_CHECK_TIMEOUT_S = 1.0  # how long /health waits while paused (SGLang: 20 
 torch.set_num_threads(1)
 
 
-def _serve(model_dir: Path, log_dir: Path) -> Iterator[ManagedServer]:
-    servers = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=log_dir,
-                                   extra_args=["--random-seed", "0", "--health-check-timeout",
+def _serve(model_dir: Path, log_dir: Path, seed: int | None = 0) -> Iterator[ManagedServer]:
+    servers = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=log_dir, seed=seed,
+                                   extra_args=["--health-check-timeout",
                                                str(HEALTH_CHECK_TIMEOUT_S)],
                                    ready_timeout_s=120)
     try:
@@ -37,8 +37,17 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]:
-    """An embedded server on ``moe_dir``, shared by the read-only tests."""
+    """An embedded server on ``moe_dir``, shared by the read-only tests (seeded: it honours
+    ``sampling_seed``, ``--enable-deterministic-inference``)."""
     yield from _serve(moe_dir, tmp_path_factory.mktemp("server_logs"))
+
+
+@pytest.fixture(scope="session")
+def unseeded_server(moe_dir: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]:
+    """An embedded server started without a seed (it ignores ``sampling_seed``, as SGLang does
+    without ``--enable-deterministic-inference``)."""
+    yield from _serve(moe_dir, tmp_path_factory.mktemp("unseeded_logs"), seed=None)
 
 
 @pytest.fixture(scope="session")

@@ -119,3 +119,12 @@ def test_a_server_that_exits_reports_its_log(tmp_path):
         server.wait_ready(20)
     assert time.monotonic() - start < 10
     server.stop()
+
+
+def test_a_seed_turns_on_deterministic_inference():
+    argv = build_sglang_command(SGLangLaunchConfig(model_path="/m", random_seed=3), python="py")
+    assert argv[-3:] == ["3", "--skip-tokenizer-init", "--enable-deterministic-inference"]
+    assert "--enable-deterministic-inference" not in build_sglang_command(
+        SGLangLaunchConfig(model_path="/m"), python="py")
+    assert build_local_command("/m", port=9, seed=4, python="py")[-3:] == [
+        "--random-seed", "4", "--enable-deterministic-inference"]

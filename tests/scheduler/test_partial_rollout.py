@@ -43,7 +43,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def url(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     servers = launch_local_engines(str(models["A"]), 1, num_threads=1,
                                    log_dir=tmp_path_factory.mktemp("logs"),
-                                   extra_args=["--random-seed", "0", "--weight-version", "0"],
+                                   seed=0, extra_args=["--weight-version", "0"],
                                    ready_timeout_s=120)
     try:
         yield servers[0].url

@@ -49,8 +49,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ManagedSe
     model = make_versioned_model(tmp_path_factory.mktemp("versioned") / "model")
     started = launch_local_engines(
         str(model), 2, num_threads=1, log_dir=tmp_path_factory.mktemp("engine_logs"),
-        extra_args=["--weight-version", "0", "--random-seed", "0",
-                    "--max-running-requests", "128"], ready_timeout_s=300)
+        seed=0, extra_args=["--weight-version", "0", "--max-running-requests", "128"], ready_timeout_s=300)
     yield started
     stop_all(started)
 

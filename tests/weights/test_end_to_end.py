@@ -66,7 +66,7 @@ def urls(pool: RankPool, model_dir: Path,
          tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
     """Two embedded engine servers on ``model_dir``."""
     servers: list[ManagedServer] = launch_local_engines(
-        str(model_dir), 2, num_threads=1, extra_args=["--random-seed", "0"],
+        str(model_dir), 2, num_threads=1, seed=0,
         log_dir=tmp_path_factory.mktemp("engine_logs"), ready_timeout_s=180)
     yield [s.url for s in servers]
     for server in servers:

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampl
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+DEFAULT_SAMPLING_SEED = 42
+"""The seed of requests without ``sampling_seed`` under deterministic inference (SGLang's)."""
 
 
 @dataclass
@@ -46,6 +49,14 @@ class Request:
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     created: float = field(default_factory=time.monotonic)
     samples: list[Sample] = field(default_factory=list)
+    sample_rids: list[str] = field(default_factory=list)
+    """The rid of each sample: ``rid`` when n == 1, else a fresh uuid per sample and ``rid``
+    names none of them (as SGLang does, so aborting ``rid`` is a no-op)."""
+
+    def __post_init__(self) -> None:
+        if not self.sample_rids:
+            self.sample_rids = ([self.rid] if self.params.n == 1
+                                else [uuid.uuid4().hex for _ in range(self.params.n)])
 
 
 @dataclass
@@ -54,6 +65,8 @@ class Sample:
 
     request: Request
     index: int
+    rid: str
+    """This sample's request id (what ``/abort_request`` matches)."""
     max_new_tokens: int
     sampling: RowSampling
     stop_ids: frozenset[int]
@@ -93,8 +106,11 @@ class LocalEngine:
 
     def __init__(self, runner: ModelRunner, *, max_running_requests: int = 256,
                  max_prefill_tokens: int = 16384, weight_version: str = "default",
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, deterministic: bool = False) -> None:
         self.runner = runner
+        self.deterministic = deterministic
+        """Honour ``sampling_seed`` (SGLang's ``--enable-deterministic-inference``): every sample
+        of a request draws from that seed alone; otherwise it is ignored."""
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
@@ -206,24 +222,26 @@ class LocalEngine:
             future.set_exception(err)
 
     def _enqueue(self, request: Request) -> None:
-        runner = self.runner
-        max_new = min(request.params.max_new_tokens,
-                      runner.context_length - len(request.prompt_ids))
-        seed = request.params.seed
-        for j in range(request.params.n):
-            gen = None
-            if seed is not None:
-                gen = torch.Generator()
-                gen.manual_seed(seed + j)
-                row_seed = seed + j
-            else:
-                row_seed = int(torch.randint(1 << 62, (1,), generator=self._row_seeds))
-            p = request.params
-            sampling = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p, gen, row_seed)
-            stop_ids = frozenset(p.stop_token_ids) | (
-                frozenset() if p.ignore_eos else frozenset(runner.eos_token_ids))
-            request.samples.append(Sample(request, j, max_new, sampling, stop_ids))
+        runner, p = self.runner, request.params
+        max_new = min(p.max_new_tokens, runner.context_length - len(request.prompt_ids))
+        stop_ids = frozenset(p.stop_token_ids) | (
+            frozenset() if p.ignore_eos else frozenset(runner.eos_token_ids))
+        for j in range(p.n):
+            sampling = RowSampling(p.temperature, p.top_p, p.top_k, p.min_p,
+                                   *self._row_random(p.seed))
+            request.samples.append(Sample(request, j, request.sample_rids[j], max_new, sampling,
+                                          stop_ids))
         self._waiting.append(_Prefill(list(request.samples), list(request.prompt_ids)))
+
+    def _row_random(self, seed: int | None) -> tuple[torch.Generator | None, int]:
+        """(generator, fused-sampler key) of a new row. Under deterministic inference both
+        come from the request's seed (42 when unset), so the ``n`` samples of one request are
+        identical, as in SGLang; otherwise the seed is ignored and the row draws from the
+        engine's streams."""
+        if self.deterministic:
+            seed = DEFAULT_SAMPLING_SEED if seed is None else seed
+            return torch.Generator().manual_seed(seed), seed
+        return None, int(torch.randint(1 << 62, (1,), generator=self._row_seeds))
 
     def _admit(self) -> list[_Prefill]:
         """Waiting prefills that fit the row and prefill-token budgets (at least one if idle)."""
@@ -354,21 +372,24 @@ class LocalEngine:
             fed = len(req.prompt_ids) + len(s.output_ids) - 1
             routes = torch.cat(s.route_chunks)[:fed][req.routed_experts_start_len:]
         return SampleResult(
-            rid=req.rid, index=s.index, prompt_ids=req.prompt_ids, output_ids=s.output_ids,
+            rid=s.rid, index=s.index, prompt_ids=req.prompt_ids, output_ids=s.output_ids,
             logprobs=s.logprobs if req.return_logprob else None, finish_reason=s.finish or {},
             weight_version=s.weight_version, routed_experts=routes,
             e2e_latency=time.monotonic() - req.created)
 
     def abort_requests(self, rid: str | None, message: str) -> int:
-        """Finish matching rows and waiting samples as aborted (engine thread only; others use
-        :meth:`abort`); returns how many."""
+        """Finish the sample ``rid`` (None: all) as aborted, running or waiting (engine thread
+        only; others use :meth:`abort`); returns how many samples."""
         hit: list[Sample] = []
         for unit in list(self._waiting):
-            if rid is None or unit.samples[0].request.rid == rid:
-                self._waiting.remove(unit)
-                hit.extend(unit.samples)
+            matched = [s for s in unit.samples if rid is None or s.rid == rid]
+            if matched:
+                unit.samples = [s for s in unit.samples if s not in matched]
+                if not unit.samples:
+                    self._waiting.remove(unit)
+                hit.extend(matched)
         for s in self._rows:
-            if s.finish is None and (rid is None or s.request.rid == rid):
+            if s.finish is None and (rid is None or s.rid == rid):
                 hit.append(s)
         for s in hit:
             s.finish = {"type": "abort", "message": message}

@@ -22,14 +22,19 @@ __all__ = ["API_KEY_ENV", "build_local_command", "is_loopback_host", "launch_loc
 
 def build_local_command(model_path: str, *, host: str = "127.0.0.1", port: int = 30000,
                         device: str | None = None, num_threads: int | None = None,
-                        extra_args: Sequence[str] = (), python: str = sys.executable) -> list[str]:
-    """The argv of ``python -m megarl.rollout.local.server`` for one engine."""
+                        seed: int | None = None, extra_args: Sequence[str] = (),
+                        python: str = sys.executable) -> list[str]:
+    """The argv of ``python -m megarl.rollout.local.server`` for one engine; a ``seed`` asks
+    for reproducible sampling (``--random-seed`` and ``--enable-deterministic-inference``,
+    without which the engine ignores ``sampling_seed``, as SGLang does)."""
     argv = [python, "-m", "megarl.rollout.local.server", "--model", model_path,
             "--host", host, "--port", str(port)]
     if device is not None:
         argv += ["--device", device]
     if num_threads is not None:
         argv += ["--num-threads", str(num_threads)]
+    if seed is not None:
+        argv += ["--random-seed", str(seed), "--enable-deterministic-inference"]
     return argv + list(extra_args)
 
 
@@ -43,14 +48,17 @@ def local_server(argv: Sequence[str], url: str, *, name: str, log_path: str | Pa
 
 def launch_local_engines(model_path: str, num_engines: int = 1, *, host: str = "127.0.0.1",
                          ports: Sequence[int] | None = None, device: str | None = None,
-                         num_threads: int | None = None, extra_args: Sequence[str] = (),
-                         log_dir: str | Path | None = None, api_key: str | None = None,
+                         num_threads: int | None = None, seed: int | None = None,
+                         extra_args: Sequence[str] = (), log_dir: str | Path | None = None,
+                         api_key: str | None = None,
                          ready_timeout_s: float = 300.0) -> list[ManagedServer]:
-    """Start ``num_engines`` embedded servers and wait until each is healthy."""
+    """Start ``num_engines`` embedded servers and wait until each is healthy (``seed``: see
+    :func:`build_local_command`)."""
     ports = list(ports) if ports is not None else [free_port(host) for _ in range(num_engines)]
     servers = [
         local_server(build_local_command(model_path, host=host, port=port, device=device,
-                                         num_threads=num_threads, extra_args=extra_args),
+                                         num_threads=num_threads, seed=seed,
+                                         extra_args=extra_args),
                      f"http://{host}:{port}", name=f"engine[{i}]", api_key=api_key,
                      log_path=Path(log_dir) / f"engine_{i}.log" if log_dir else None)
         for i, port in enumerate(ports)

@@ -32,6 +32,16 @@ class BadRequest(ValueError):
     """A request the server answers with HTTP 400."""
 
 
+class NormalizeError(BadRequest):
+    """A request that SGLang's request normalisation rejects with ValueError; answered as
+    SGLang's http_server answers it: HTTP 400 ``{"error": {"message": ...}}``."""
+
+
+MIXED_N_MESSAGE = ("The parallel_sample_num should be the same for all samples in sample "
+                   "params.")
+"""SGLang's ValueError text for a batch whose prompts ask for different ``n``."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the served model accepts."""
@@ -118,6 +128,8 @@ def parse_generate(body: Any, limits: Limits, tokenizer: Any = None) -> tuple[li
     routes_start = _per_item(body.get("routed_experts_start_len", 0), count,
                              "routed_experts_start_len")
     rids = _per_item(body.get("rid"), count, "rid")
+    if len({p.get("n", 1) for p in sampling if isinstance(p, dict)}) > 1:
+        raise NormalizeError(MIXED_N_MESSAGE)
     requests = []
     for i, prompt in enumerate(prompts):
         _check_prompt(i, prompt, limits)
@@ -145,11 +157,11 @@ def encode_routed_experts(routes: torch.Tensor, layout: RoutedExpertsLayout) -> 
     return base64.b64encode(array.tobytes()).decode("ascii")
 
 
-def sample_to_sglang(result: SampleResult, n: int, tokenizer: Any = None,
+def sample_to_sglang(result: SampleResult, tokenizer: Any = None,
                      layout: RoutedExpertsLayout | None = None) -> dict[str, Any]:
-    """One element of SGLang's ``/generate`` answer."""
+    """One element of SGLang's ``/generate`` answer (``id``: the sample's own rid)."""
     meta: dict[str, Any] = {
-        "id": result.rid if n == 1 else f"{result.rid}-{result.index}",
+        "id": result.rid,
         "finish_reason": result.finish_reason,
         "prompt_tokens": len(result.prompt_ids),
         "completion_tokens": len(result.output_ids),

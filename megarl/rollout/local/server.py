@@ -44,7 +44,13 @@ from megarl.rollout.local.engine import MEMORY_TAGS, LocalEngine
 from megarl.rollout.local.engine import Request as EngineRequest
 from megarl.rollout.local.launch import API_KEY_ENV, is_loopback_host
 from megarl.rollout.local.model_runner import ModelRunner
-from megarl.rollout.local.protocol import BadRequest, Limits, parse_generate, sample_to_sglang
+from megarl.rollout.local.protocol import (
+    BadRequest,
+    Limits,
+    NormalizeError,
+    parse_generate,
+    sample_to_sglang,
+)
 from megarl.rollout.local.weight_updates import WeightReceiver
 from megarl.rollout.routed_experts import RoutedExpertsLayout
 
@@ -161,11 +167,11 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
         try:
             results = await asyncio.gather(*futures)
         except asyncio.CancelledError:
-            for r in requests:
-                engine.abort(r.rid)
+            for rid in (rid for r in requests for rid in r.sample_rids):
+                engine.abort(rid)
             raise
-        out = [sample_to_sglang(s, r.params.n, state.tokenizer, state.routes_layout)
-               for r, samples in zip(requests, results) for s in samples]
+        out = [sample_to_sglang(s, state.tokenizer, state.routes_layout)
+               for samples in results for s in samples]
         return out if as_list else out[0]
 
     @app.get("/health")
@@ -345,6 +351,10 @@ def build_app(state: ServerState) -> FastAPI:
     async def invalid_body(request: Request, err: InvalidBody) -> JSONResponse:
         return _error(str(err))
 
+    @app.exception_handler(NormalizeError)
+    async def normalize_error(request: Request, err: NormalizeError) -> JSONResponse:
+        return JSONResponse({"error": {"message": str(err)}}, status_code=400)
+
     @app.exception_handler(KeyError)
     async def key_error(request: Request, err: KeyError) -> JSONResponse:
         return _failure(str(err.args[0]) if err.args else "unknown key")
@@ -376,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="padded prompt tokens prefilled in one step")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--random-seed", type=int, default=None)
+    p.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="honour sampling_seed (ignored without it, as in SGLang); all n samples "
+                        "of one request then share it, so send one request per sample")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="do not load a tokenizer; token ids in and out")
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads")
@@ -394,7 +407,8 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
                          context_length=args.context_length)
     engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
                          max_prefill_tokens=args.max_prefill_tokens,
-                         weight_version=args.weight_version, seed=args.random_seed)
+                         weight_version=args.weight_version, seed=args.random_seed,
+                         deterministic=args.enable_deterministic_inference)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model)
     limits = Limits(runner.vocab_size, runner.context_length, runner.router.num_layers > 0)
     receiver = WeightReceiver(engine)

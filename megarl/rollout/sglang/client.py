@@ -2,8 +2,11 @@
 
 One ``httpx.AsyncClient`` (pooled, kept-alive connections) serves all engines. Generation goes
 through the load balancer (least outstanding tokens, sticky per prompt), with at most
-``max_concurrency_per_engine`` requests in flight per engine and a request id per prompt so it
-can be aborted; a cancelled ``generate`` aborts its requests on the engine. Control and
+``max_concurrency_per_engine`` requests in flight per engine. A prompt's ``n`` samples go as
+``n`` requests of one sample each (sample j: ``sampling_seed`` seed + j, rid ``<rid>-<j>``; see
+:meth:`SGLangClient.generate_one`), so they are distinct and reproducible on SGLang started with
+``--enable-deterministic-inference``; aborting a prompt's rid aborts each of them, and a
+cancelled ``generate`` aborts its requests on the engine. Control and
 weight-update calls go to every engine at once (with a router, generation goes to the router and
 control calls still go to the engines themselves). With ``api_key`` every request carries
 ``Authorization: Bearer <api_key>``.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import uuid
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field, replace
@@ -114,6 +118,8 @@ class SGLangClient(RolloutEngine):
         self._layouts: dict[int, RoutedExpertsLayout | None] = {}
         self._default_layout = routed_experts_layout
         self._rid_engine: dict[str, int] = {}
+        self._children: dict[str, list[str]] = {}
+        """The rids of the per-sample requests sent for a prompt's rid (n > 1)."""
         self._inflight: list[set[asyncio.Task]] = [set() for _ in self.urls]
         self._failed_checks = [0] * len(self.urls)
         self._paused: set[int] = set()
@@ -195,7 +201,8 @@ class SGLangClient(RolloutEngine):
         """Generate ``params.n`` samples per prompt, prompt-major; ``group_keys`` (default:
         the prompt's token ids) decide which requests share an engine; ``seeds`` give each
         prompt its own sampling seed (sample j of prompt i uses ``seeds[i] + j``), which makes
-        the samples independent of how the engine batches requests."""
+        the samples independent of how the engine batches requests (engines honour seeds only
+        when started with ``--enable-deterministic-inference``)."""
         rids = list(rids) if rids is not None else [uuid.uuid4().hex for _ in prompts]
         if len(rids) != len(prompts):
             raise ValueError(f"rids: {len(rids)} ids for {len(prompts)} prompts")
@@ -215,12 +222,34 @@ class SGLangClient(RolloutEngine):
         prompt_index: int = 0, group_key: Hashable | None = None, return_logprob: bool = True,
         return_routed_experts: bool = False,
     ) -> list[RolloutSample]:
-        """One prompt's ``n`` samples from one engine (another one if that engine fails)."""
+        """One prompt's ``n`` samples from one engine (another one if that engine fails), sent
+        as ``n`` requests of one sample: sample j with ``sampling_seed`` ``seed + j`` (a random
+        seed when ``params.seed`` is None) and rid ``f"{rid}-{j}"`` (``rid`` itself when
+        n == 1). SGLang gives all samples of an n > 1 request the same seed (identical samples
+        under deterministic inference) and ids of its own, so n > 1 is never sent."""
         rid = rid or uuid.uuid4().hex
+        children = [rid] if params.n == 1 else [f"{rid}-{j}" for j in range(params.n)]
+        key = group_key if group_key is not None else tuple(prompt_ids)
+        if params.n > 1:
+            self._children[rid] = children
+        try:
+            return list(await asyncio.gather(*(
+                self._generate_sample(prompt_ids, replace(params, n=1, seed=seed), child, key,
+                                      (prompt_index, j), return_logprob, return_routed_experts)
+                for j, (child, seed) in enumerate(zip(children, _sample_seeds(params))))))
+        finally:
+            self._children.pop(rid, None)
+            self._aborted_rids.discard(rid)
+
+    async def _generate_sample(
+        self, prompt_ids: list[int], params: SamplingParams, rid: str, key: Hashable,
+        index: tuple[int, int], return_logprob: bool, return_routed_experts: bool,
+    ) -> RolloutSample:
+        """One sample (an n = 1 request), re-sent on engine loss or (``retry_aborted``) on an
+        engine abort; ``index`` = (prompt index, sample index)."""
         payload = generate_payload(prompt_ids, params, rid=rid, return_logprob=return_logprob,
                                    return_routed_experts=return_routed_experts)
-        cost = (len(prompt_ids) + params.max_new_tokens) * params.n
-        key = group_key if group_key is not None else tuple(prompt_ids)
+        cost = len(prompt_ids) + params.max_new_tokens
         lost, resubmits = 0, 0
         try:
             while True:
@@ -238,9 +267,11 @@ class SGLangClient(RolloutEngine):
                 finally:
                     self.balancer.release(engine, cost)
                 layout = await self._layout(engine) if return_routed_experts else None
-                samples = decode_generate_answer(answer, prompt_ids, prompt_index, layout)
+                samples = decode_generate_answer(answer, prompt_ids, index[0], layout)
+                if len(samples) != 1:
+                    raise EngineError(f"request {rid}: {len(samples)} samples for n=1")
                 if not self._resubmit(samples, rid, epoch, resubmits):
-                    return samples
+                    return replace(samples[0], sample_index=index[1])
                 resubmits += 1
                 self.stats.resubmitted_aborts += 1
         finally:
@@ -437,16 +468,23 @@ class SGLangClient(RolloutEngine):
 
     # ----- control -----
     async def abort(self, rid: str | None = None) -> None:
-        """Abort one request (on the engine running it) or every request on every engine;
+        """Abort one prompt's requests (``rid`` as given to :meth:`generate_one`: each of its
+        samples' requests, on the engine running it) or every request on every engine;
         aborted requests are returned as aborted, never re-sent."""
         if rid is None:
             self._abort_epoch += 1
-        else:
-            self._aborted_rids.add(rid)
-        body = {"rid": rid} if rid is not None else {"rid": "", "abort_all": True}
-        engine = self._rid_engine.get(rid) if rid is not None else None
-        engines = [engine] if engine is not None else self.live_engines()
-        await self._each("POST", "/abort_request", body, retry=True, engines=engines)
+            await self._each("POST", "/abort_request", {"rid": "", "abort_all": True},
+                             retry=True, engines=self.live_engines())
+            return
+        targets = self._children.get(rid, [rid])
+        self._aborted_rids.update([rid, *targets])
+        calls = []
+        for target in targets:
+            engine = self._rid_engine.get(target)
+            engines = [engine] if engine is not None else self.live_engines()
+            calls.append(self._each("POST", "/abort_request", {"rid": target}, retry=True,
+                                    engines=engines))
+        await asyncio.gather(*calls)
 
     async def pause(self, mode: PauseMode = "retract") -> None:
         """``/pause_generation`` on every engine that is not down."""
@@ -586,6 +624,17 @@ class SGLangClient(RolloutEngine):
             out.append((bool(data.get("success")) and r.status_code == 200,
                         str(data.get("message", _message(r)))))
         return out
+
+
+def _sample_seeds(params: SamplingParams) -> list[int | None]:
+    """``sampling_seed`` of each of the ``n`` samples: ``seed + j``; for an unseeded sampled
+    prompt fresh random seeds (an engine with deterministic inference would otherwise give
+    every unseeded request the same default seed), none for greedy decoding."""
+    if params.seed is not None:
+        return [params.seed + j for j in range(params.n)]
+    if params.greedy:
+        return [None] * params.n
+    return [secrets.randbelow(1 << 62) for _ in range(params.n)]
 
 
 def _pooled(connections: int, timeout_s: float | None,

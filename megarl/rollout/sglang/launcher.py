@@ -49,6 +49,8 @@ class SGLangLaunchConfig:
     """``dummy`` when the weights come from the trainer."""
     weight_version: str | None = None
     enable_deterministic_inference: bool = False
+    """Honour ``sampling_seed`` (SGLang ignores it otherwise); on whenever ``random_seed`` is
+    set, since a seed asks for reproducible samples."""
     skip_server_warmup: bool = False
     nnodes: int = 1
     node_rank: int = 0
@@ -60,6 +62,7 @@ class SGLangLaunchConfig:
     context_length: int | None = None
     max_running_requests: int | None = None
     random_seed: int | None = None
+    """The server's seed; also turns on ``enable_deterministic_inference``."""
     trust_remote_code: bool = False
     log_level: str | None = None
     extra_args: tuple[str, ...] = field(default_factory=tuple)
@@ -95,7 +98,8 @@ def build_sglang_command(cfg: SGLangLaunchConfig, python: str = sys.executable) 
                 ("--enable-memory-saver", cfg.enable_memory_saver),
                 ("--skip-tokenizer-init", cfg.skip_tokenizer_init),
                 ("--enable-return-routed-experts", cfg.enable_return_routed_experts),
-                ("--enable-deterministic-inference", cfg.enable_deterministic_inference),
+                ("--enable-deterministic-inference",
+                 cfg.enable_deterministic_inference or cfg.random_seed is not None),
                 ("--skip-server-warmup", cfg.skip_server_warmup),
                 ("--enable-metrics", cfg.enable_metrics),
                 ("--trust-remote-code", cfg.trust_remote_code))
