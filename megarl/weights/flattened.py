@@ -2,7 +2,12 @@
 
 A bucket of HF-named tensors travels as one flat uint8 tensor plus per-tensor metadata, the
 layout of SGLang's ``weight_sync/tensor_bucket.py``: every tensor flattened to its bytes and
-concatenated in order, no padding, mixed dtypes allowed. The metadata records (name, shape,
+concatenated in order, mixed dtypes allowed. SGLang's reader slices ``[start_idx:end_idx]`` and
+calls ``.view(dtype)``, which fails unless the slice starts at a multiple of the dtype's size, so
+:func:`flatten_into` / :func:`flatten_bucket` pad before a tensor that would start misaligned
+(a bucket of one dtype, as megarl's sender builds, has no padding). :func:`bucket_metadata`
+never pads: it describes what ``update_weights_from_distributed`` receives, laid out back to back
+as SGLang's ``FlattenedTensorBucket(named_tensors=...)`` does. The metadata records (name, shape,
 dtype, start_idx, end_idx, numel) are ``types.SimpleNamespace`` objects: SGLang reads them by
 attribute only, and its allow-listing unpickler accepts ``types.*``, so the trainer needs no
 SGLang installed to build a payload SGLang reads.
@@ -11,8 +16,11 @@ SGLang installed to build a payload SGLang reads.
 writes (a ``ForkingPickler`` pickle, base64): CUDA tensors become CUDA IPC handles whose device
 is the GPU's UUID (as SGLang's ``patch_torch`` does, so a receiver that sees the GPU under
 another index still opens the right one); CPU tensors carry their bytes inline. ``deserialize``
-reads such a string through an allow-list: tensors, dtypes, sizes, the metadata records and the
-CUDA IPC rebuild function, nothing else (a payload naming ``os.system`` or ``eval`` is refused).
+reads such a string through an allow-list: tensors, dtypes, sizes, the metadata records, the
+CUDA IPC rebuild function and torch's CPU shared-memory rebuilds (what SGLang's own serializer
+writes for a CPU tensor: a file descriptor passed through ``multiprocessing.resource_sharer``, or
+a shared-memory file name), each checked to rebuild only storages and tensors; nothing else (a
+payload naming ``os.system`` or ``eval`` is refused).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import io
 import pickle
 import types
 from collections.abc import Sequence
+from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -43,7 +52,8 @@ def tensor_meta(name: str, tensor: torch.Tensor, start: int) -> types.SimpleName
 
 def bucket_metadata(specs: Sequence[tuple[str, Sequence[int], torch.dtype]]
                     ) -> list[types.SimpleNamespace]:
-    """Metadata of a bucket of (name, shape, dtype) laid out back to back, without tensors."""
+    """Metadata of a bucket of (name, shape, dtype) laid out back to back (no padding, as SGLang's
+    ``FlattenedTensorBucket(named_tensors=...)``), without tensors."""
     out, start = [], 0
     for name, shape, dtype in specs:
         numel = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
@@ -53,29 +63,45 @@ def bucket_metadata(specs: Sequence[tuple[str, Sequence[int], torch.dtype]]
     return out
 
 
+def _aligned(start: int, itemsize: int) -> int:
+    """The first multiple of ``itemsize`` at or after byte ``start``."""
+    return -(-start // itemsize) * itemsize
+
+
+def flattened_size(named: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """Bytes :func:`flatten_into` uses for ``named``, padding included."""
+    end = 0
+    for _, tensor in named:
+        end = _aligned(end, tensor.element_size()) + tensor.numel() * tensor.element_size()
+    return end
+
+
 def flatten_into(buffer: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]
                  ) -> dict[str, Any]:
-    """Copy ``named`` into the front of the flat uint8 ``buffer``; the payload viewing it."""
-    metadata, start = [], 0
+    """Copy ``named`` into the front of the flat uint8 ``buffer``; the payload viewing it. Each
+    tensor starts at a multiple of its element size (zero padding before it when needed), so
+    SGLang's ``.view(dtype)`` of its slice works; tensors of one dtype get no padding."""
+    metadata, end = [], 0
     for name, tensor in named:
-        meta = tensor_meta(name, tensor, start)
+        meta = tensor_meta(name, tensor, _aligned(end, tensor.element_size()))
         if meta.end_idx > buffer.numel():
             raise ValueError(f"bucket buffer of {buffer.numel()} bytes cannot hold {name} "
                              f"(needs {meta.end_idx})")
+        if meta.start_idx > end:
+            buffer[end:meta.start_idx].zero_()
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         buffer[meta.start_idx:meta.end_idx].copy_(flat, non_blocking=True)
         metadata.append(meta)
-        start = meta.end_idx
-    return {"flattened_tensor": buffer[:start], "metadata": metadata}
+        end = meta.end_idx
+    return {"flattened_tensor": buffer[:end], "metadata": metadata}
 
 
 def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     """``{"flattened_tensor": uint8 tensor, "metadata": [records]}`` of ``named``, in a new
-    buffer on the tensors' device."""
+    buffer on the tensors' device (each tensor aligned as :func:`flatten_into` says)."""
     if not named:
         raise ValueError("a flattened bucket needs at least one tensor")
-    total = sum(t.numel() * t.element_size() for _, t in named)
-    buffer = torch.empty(total, dtype=torch.uint8, device=named[0][1].device)
+    buffer = torch.empty(flattened_size(named), dtype=torch.uint8, device=named[0][1].device)
     return flatten_into(buffer, named)
 
 
@@ -161,6 +187,54 @@ def _rebuild_partial(func: Any, args: tuple, keywords: dict) -> functools.partia
     return functools.partial(func, *args, **keywords)
 
 
+_STORAGES = (torch.UntypedStorage, torch.storage.TypedStorage)
+
+
+def _storage_class(cls: Any) -> type:
+    if cls not in _STORAGES:
+        raise pickle.UnpicklingError(f"refusing to rebuild a storage of class {cls!r} in a "
+                                     "weight payload")
+    return cls
+
+
+def _rebuild_tensor(cls: Any, storage: Any, metadata: tuple) -> torch.Tensor:
+    """torch's CPU ``rebuild_tensor``, for plain tensors over a storage only."""
+    if cls is not torch.Tensor or not isinstance(storage, _STORAGES):
+        raise pickle.UnpicklingError(f"refusing to rebuild a {cls!r} over {type(storage)!r} in "
+                                     "a weight payload")
+    return reductions.rebuild_tensor(cls, storage, metadata)
+
+
+def _rebuild_typed_storage(storage: Any, dtype: Any) -> torch.storage.TypedStorage:
+    if not isinstance(storage, torch.UntypedStorage) or not isinstance(dtype, torch.dtype):
+        raise pickle.UnpicklingError("refusing a typed storage over something else than an "
+                                     "untyped storage in a weight payload")
+    return reductions.rebuild_typed_storage(storage, dtype)
+
+
+def _rebuild_storage_fd(cls: Any, df: Any, size: int) -> Any:
+    """torch's ``rebuild_storage_fd``: the sender's file descriptor, received through its
+    ``multiprocessing.resource_sharer`` (authenticated with this process's authkey)."""
+    if not isinstance(df, resource_sharer.DupFd) or not isinstance(size, int):
+        raise pickle.UnpicklingError("refusing a shared CPU storage without a DupFd handle in "
+                                     "a weight payload")
+    return reductions.rebuild_storage_fd(_storage_class(cls), df, size)
+
+
+def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: int,
+                              dtype: Any = None) -> Any:
+    """torch's ``rebuild_storage_filename`` (the ``file_system`` sharing strategy)."""
+    if not (isinstance(manager, bytes) and isinstance(handle, bytes) and isinstance(size, int)
+            and (dtype is None or isinstance(dtype, torch.dtype))):
+        raise pickle.UnpicklingError("refusing a malformed shared-memory file storage in a "
+                                     "weight payload")
+    return reductions.rebuild_storage_filename(_storage_class(cls), manager, handle, size, dtype)
+
+
+def _rebuild_storage_empty(cls: Any) -> Any:
+    return reductions.rebuild_storage_empty(_storage_class(cls))
+
+
 def _getattr_frombuffer(owner: Any, name: str) -> Any:
     """``getattr`` as pickle uses it to name ``torch.frombuffer``, and for nothing else."""
     if owner is torch._C._VariableFunctionsClass and name == "frombuffer":
@@ -184,6 +258,13 @@ _ALLOWED: dict[tuple[str, str], Any] = {
     ("torch", "UntypedStorage"): torch.UntypedStorage,
     ("torch", "TypedStorage"): torch.storage.TypedStorage,
     ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    # what torch's ForkingPickler reductions write for a CPU tensor (SGLang's own serializer)
+    ("torch.multiprocessing.reductions", "rebuild_tensor"): _rebuild_tensor,
+    ("torch.multiprocessing.reductions", "rebuild_typed_storage"): _rebuild_typed_storage,
+    ("torch.multiprocessing.reductions", "rebuild_storage_fd"): _rebuild_storage_fd,
+    ("torch.multiprocessing.reductions", "rebuild_storage_filename"): _rebuild_storage_filename,
+    ("torch.multiprocessing.reductions", "rebuild_storage_empty"): _rebuild_storage_empty,
+    ("multiprocessing.resource_sharer", "DupFd"): resource_sharer.DupFd,
     ("sglang.srt.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
     ("sglang.srt.utils.patch_torch", "_rebuild_cuda_tensor_modified"): _rebuild_cuda_tensor,
     ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"): _SGLangMetadata,
@@ -194,7 +275,8 @@ _DTYPES = {name: getattr(torch, name) for name in (
 
 
 class _SafeUnpickler(pickle.Unpickler):
-    """Unpickles only tensors, dtypes, sizes, metadata records and CUDA IPC rebuilds."""
+    """Unpickles only tensors, dtypes, sizes, metadata records and CUDA IPC / CPU shared-memory
+    rebuilds."""
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "torch" and name in _DTYPES:

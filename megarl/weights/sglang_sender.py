@@ -50,7 +50,10 @@ def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], itemsize: int,
 
 
 def bucket_bytes(bucket: BucketSpec, itemsize: int) -> int:
-    """Bytes of one bucket's tensors in the sent dtype."""
+    """Bytes of one bucket's tensors in the sent dtype. Every tensor of a bucket has that one
+    dtype, so ``flatten_into`` pads nothing and this is its exact size; it also matches the
+    unpadded ``bucket_metadata`` the receiver of a broadcast uses (buckets of mixed dtypes would
+    need ``flattened_size`` and break that match)."""
     return sum(itemsize * torch.Size(shape).numel() for _, shape in bucket)
 
 

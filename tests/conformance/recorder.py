@@ -18,9 +18,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from megarl.rollout.process import free_port
+from megarl.rollout.routed_experts import RoutedExpertsLayout
 
-ROUTED_LAYOUT = (3, 2)
-"""(num_hidden_layers, num_experts_per_tok) of the routed experts the recorder returns."""
+ROUTED_LAYOUT = RoutedExpertsLayout(num_layers=3, moe_layers=(1, 2), top_k=2)
+"""The routed experts the recorder returns: rows for every layer, as SGLang sends them; layer 0
+is dense (its columns are dropped by the client)."""
 
 
 @dataclass
@@ -55,7 +57,7 @@ def _sample(prompt: list[int], params: dict[str, Any], return_logprob: bool,
     if return_logprob:
         meta["output_token_logprobs"] = [[-0.5, t, None] for t in out]
     if routed:
-        layers, top_k = ROUTED_LAYOUT
+        layers, top_k = ROUTED_LAYOUT.num_layers, ROUTED_LAYOUT.top_k
         rows = len(prompt) + len(out) - 1  # routed_experts_capturer.py: seqlen - 1 rows
         values = bytes(4 * rows * layers * top_k)
         meta["routed_experts"] = base64.b64encode(values).decode()

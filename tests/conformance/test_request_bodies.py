@@ -75,17 +75,17 @@ CALLS: dict[str, Call] = {
     "resume_memory_all": lambda c: c.resume_memory(),
     "resume_memory_tags": lambda c: c.resume_memory(["weights"]),
     "init_weights_update_group": lambda c: c.init_weights_update_group(
-        "10.0.0.1", 29500, world_size=3, group_name="g", backend="nccl"),
+        "10.0.0.1", 29500, world_size=2, group_name="g", backend="nccl"),
     "update_weights_from_distributed": lambda c: c.update_weights_from_distributed(
         ["a.weight", "b.bias"], ["torch.bfloat16", "float32"], [[4, 8], [8]], group_name="g",
         weight_version="3", flush_cache=False, abort_all_requests=True),
     "update_weights_from_distributed_defaults": lambda c: c.update_weights_from_distributed(
         ["a.weight"], ["bfloat16"], [[4, 8]]),
     "update_weights_from_tensor": lambda c: c.update_weights_from_tensor(
-        ["c2VyaWFsaXplZA=="], load_format="flattened_bucket", weight_version="4",
+        [["c2VyaWFsaXplZA=="]], load_format="flattened_bucket", weight_version="4",
         flush_cache=True),
     "update_weights_from_tensor_defaults": lambda c: c.update_weights_from_tensor(
-        ["c2VyaWFsaXplZA=="]),
+        [["c2VyaWFsaXplZA=="]]),
     "update_weights_from_disk": lambda c: c.update_weights_from_disk("/ckpt/step_5",
                                                                      weight_version="5"),
     "update_weight_version": lambda c: c.update_weight_version("6"),
@@ -195,18 +195,7 @@ def test_generate_sends_the_options_asked_for(capture: Capture) -> None:
     assert any(str(r).startswith(("r-a", "r-b")) for r in rids), rids
 
 
-# Calls whose handling of real SGLang's answer is known to fail today (issue 17).
-ANSWER_XFAIL = {
-    "release_memory_all": "issue 17 point 5: the client calls .get on SGLang's null body",
-    "release_memory_tags": "issue 17 point 5: the client calls .get on SGLang's null body",
-    "resume_memory_all": "issue 17 point 5: the client calls .get on SGLang's null body",
-    "resume_memory_tags": "issue 17 point 5: the client calls .get on SGLang's null body",
-}
-
-
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=ANSWER_XFAIL[n]))
-    if n in ANSWER_XFAIL else n for n in CALLS])
+@pytest.mark.parametrize("name", list(CALLS))
 def test_the_client_reads_sglangs_answer(name: str, capture: Capture) -> None:
     """Each call returns normally when the server answers the way SGLang 0.5.10 does."""
     error = capture.errors[name]

@@ -1,8 +1,8 @@
 """The embedded server answers each endpoint megarl uses with real SGLang 0.5.10's status code and
 body shape (read in ``sglang/srt/entrypoints/http_server.py`` and the managers it calls).
 
-Rows marked xfail(strict) are issue 17 points being fixed in other branches: the file passes
-today and fails, asking for the mark to go, once the fix lands.
+Rows marked xfail(strict) are issue 17 points 1-3, being fixed in another branch: the file
+passes today and fails, asking for the mark to go, once the fix lands.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ torch.set_num_threads(1)
 PROMPT = [5, 6, 7, 8]
 SP = {"max_new_tokens": 3, "temperature": 1.0}
 MOE_FIELDS = {"num_moe_layers", "moe_top_k"}
-FIX = "; being fixed in the server branch (h2)"
+FIX = "issue 17 points 1-3"
+"""The reason of the rows still failing: being fixed in a branch not merged yet."""
 
 
 @pytest.fixture(scope="module")
@@ -95,56 +96,47 @@ ROWS = {
     # output_ids and meta_info but no "text"
     "generate_no_text": Row("POST", "/generate", {"input_ids": PROMPT, "sampling_params": SP},
                             200, lambda b: _is_sample(b) and "text" not in b,
-                            "managers/tokenizer_manager.py (skip_tokenizer_init)",
-                            xfail="SGLANG_API.md corrections: no text with "
-                                  "--skip-tokenizer-init; the embedded server sends text ''"),
+                            "managers/tokenizer_manager.py (skip_tokenizer_init)"),
     # tokenizer_manager.py _handle_batch_request: n > 1 gives every sample a fresh uuid rid,
     # the parent rid is dropped
     "generate_n": Row("POST", "/generate", {"input_ids": PROMPT, "sampling_params": {**SP, "n": 3},
                                             "rid": "parent"}, 200,
                       _n_samples_with_own_ids(3, "parent"),
                       "managers/tokenizer_manager.py _handle_batch_request",
-                      xfail="issue 17 point 2: fresh rid per sample" + FIX),
+                      xfail=FIX),
     # managers/io_struct.py GenerateReqInput._handle_parallel_sampling raises ValueError,
     # http_server.py generate_request answers it with _create_error_response: 400 {error}
     "generate_mixed_n": Row(
         "POST", "/generate",
         {"input_ids": [PROMPT, PROMPT], "sampling_params": [{**SP, "n": 2}, {**SP, "n": 1}]},
         400, _error, "managers/io_struct.py _handle_parallel_sampling",
-        xfail="issue 17 point 3: different n per prompt is a 400" + FIX),
+        xfail=FIX),
     # http_server.py abort_request: Response(status_code=200), no body
     "abort_request": Row("POST", "/abort_request", {"rid": "nothing-running"}, 200,
                          lambda b: b is None, "entrypoints/http_server.py abort_request"),
     # http_server.py pause_generation / continue_generation
     "pause_generation": Row("POST", "/pause_generation", {"mode": "retract"}, 200,
                             lambda b: _status_ok(b),
-                            "entrypoints/http_server.py pause_generation",
-                            xfail="issue 17 Build 2: status 'ok'" + FIX),
+                            "entrypoints/http_server.py pause_generation"),
     "continue_generation": Row("POST", "/continue_generation", {}, 200,
                                lambda b: _status_ok(b),
-                               "entrypoints/http_server.py continue_generation",
-                               xfail="issue 17 Build 2: status 'ok'" + FIX),
+                               "entrypoints/http_server.py continue_generation"),
     # http_server.py model_info (and its deprecated alias get_model_info): no MoE fields
     "model_info": Row("GET", "/model_info", None, 200,
                       lambda b: "weight_version" in b and not MOE_FIELDS & set(b),
-                      "entrypoints/http_server.py model_info",
-                      xfail="issue 17 point 4/7: /model_info missing (404)" + FIX),
+                      "entrypoints/http_server.py model_info"),
     "get_model_info": Row("GET", "/get_model_info", None, 200,
                           lambda b: "weight_version" in b and not MOE_FIELDS & set(b),
-                          "entrypoints/http_server.py get_model_info",
-                          xfail="issue 17 point 4: no MoE fields" + FIX),
+                          "entrypoints/http_server.py get_model_info"),
     # http_server.py weight_version: HTTPException(404) in 0.5.10 (gone in 0.5.23)
     "get_weight_version": Row("GET", "/get_weight_version", None, 404, lambda b: True,
-                              "entrypoints/http_server.py weight_version",
-                              xfail="issue 17 point 7: /get_weight_version is a 404, fixed in "
-                                    "branch h2"),
+                              "entrypoints/http_server.py weight_version"),
     # http_server.py update_weight_version: {success, message, new_version}
     "update_weight_version": Row(
         "POST", "/update_weight_version", {"new_version": "v1", "abort_all_requests": False},
         200, lambda b: b.get("success") is True and b.get("new_version") == "v1"
         and isinstance(b.get("message"), str),
-        "entrypoints/http_server.py update_weight_version",
-        xfail="issue 17 Build 2: new_version in the answer" + FIX),
+        "entrypoints/http_server.py update_weight_version"),
     # http_server.py flush_cache: 200 with a plain-text body when idle
     "flush_cache": Row("POST", "/flush_cache", None, 200, lambda b: True,
                        "entrypoints/http_server.py flush_cache"),
@@ -157,12 +149,10 @@ ROWS = {
     # HTTP 200 with a JSON null body (resume runs after release in this table)
     "release_memory_occupation": Row(
         "POST", "/release_memory_occupation", {"tags": None}, 200, lambda b: b is None,
-        "entrypoints/http_server.py release_memory_occupation",
-        xfail="issue 17 point 5: null body" + FIX),
+        "entrypoints/http_server.py release_memory_occupation"),
     "resume_memory_occupation": Row(
         "POST", "/resume_memory_occupation", {"tags": None}, 200, lambda b: b is None,
-        "entrypoints/http_server.py resume_memory_occupation",
-        xfail="issue 17 point 5: null body" + FIX),
+        "entrypoints/http_server.py resume_memory_occupation"),
     # http_server.py health (= health_generate): 200 when serving
     "health": Row("GET", "/health", None, 200, lambda b: True,
                   "entrypoints/http_server.py health_generate"),

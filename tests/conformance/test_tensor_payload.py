@@ -17,6 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from torch.multiprocessing import reductions
 
 payload = pytest.importorskip(
     "megarl.weights.flattened",
@@ -85,15 +86,28 @@ def test_sglang_reads_megarls_payload(sglang_serializer: types.SimpleNamespace,
     _assert_same(bucket.reconstruct_tensors(), named)
 
 
-def test_megarl_reads_sglangs_payload(sglang_serializer: types.SimpleNamespace,
+@contextmanager
+def _sharing_strategy(strategy: str) -> Iterator[None]:
+    saved = torch.multiprocessing.get_sharing_strategy()
+    torch.multiprocessing.set_sharing_strategy(strategy)
+    try:
+        yield
+    finally:
+        torch.multiprocessing.set_sharing_strategy(saved)
+
+
+@pytest.mark.parametrize("strategy", ["file_descriptor", "file_system"])
+def test_megarl_reads_sglangs_payload(strategy: str, sglang_serializer: types.SimpleNamespace,
                                       sglang_tensor_bucket: types.ModuleType) -> None:
     """What slime and SGLang's own Engine send: FlattenedTensorBucket metadata objects, named
-    ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` in the pickle. megarl reads
-    it where sglang cannot be imported (the embedded server), so its deserialize must resolve
-    that name itself."""
+    ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` in the pickle, and a CPU
+    tensor as torch's ForkingPickler shares it (``rebuild_tensor`` over ``rebuild_storage_fd``
+    with a ``resource_sharer.DupFd``, or ``rebuild_storage_filename`` under the ``file_system``
+    strategy). megarl reads it where sglang cannot be imported (the embedded server), so its
+    deserialize must resolve those names itself."""
     named = _aligned(_named())
     bucket = sglang_tensor_bucket.FlattenedTensorBucket(named_tensors=named)
-    with _sglang_importable(sglang_tensor_bucket):
+    with _sglang_importable(sglang_tensor_bucket), _sharing_strategy(strategy):
         data = sglang_serializer.MultiprocessingSerializer.serialize(
             {"flattened_tensor": bucket.get_flattened_tensor(),
              "metadata": bucket.get_metadata()}, output_str=True)
@@ -102,6 +116,40 @@ def test_megarl_reads_sglangs_payload(sglang_serializer: types.SimpleNamespace,
     got = [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape))
            for m in obj["metadata"]]
     _assert_same(got, named)
+
+
+def test_megarl_aligns_mixed_dtypes_and_pads_nothing_for_one() -> None:
+    """SGLang's reader needs each tensor at a multiple of its element size; a bucket of one
+    dtype (what megarl's sender builds) has no padding and matches ``bucket_metadata``, the
+    unpadded layout a broadcast receiver assumes (SGLang's FlattenedTensorBucket's)."""
+    mixed = payload.flatten_bucket(_named())
+    for meta in mixed["metadata"]:
+        assert meta.start_idx % meta.dtype.itemsize == 0, meta
+    one = [(n, t.to(torch.bfloat16)) for n, t in _named()]
+    flat = payload.flatten_bucket(one)
+    want = payload.bucket_metadata([(n, t.shape, t.dtype) for n, t in one])
+    assert [vars(m) for m in flat["metadata"]] == [vars(m) for m in want]
+    assert flat["flattened_tensor"].numel() == sum(t.numel() * 2 for _, t in one)
+
+
+class _Rebuild:
+    def __init__(self, fn: object, *args: object) -> None:
+        self.fn, self.args = fn, args
+
+    def __reduce__(self) -> tuple[object, tuple[object, ...]]:
+        return self.fn, self.args
+
+
+@pytest.mark.parametrize("call", [
+    _Rebuild(reductions.rebuild_storage_empty, types.SimpleNamespace),
+    _Rebuild(reductions.rebuild_tensor, bytearray, None, (0, (1,), (1,), False)),
+    _Rebuild(reductions.rebuild_storage_fd, torch.UntypedStorage, 3, 8),
+], ids=["storage_of_another_class", "tensor_of_another_class", "fd_without_dupfd"])
+def test_megarl_checks_the_rebuilds_it_allows(call: _Rebuild) -> None:
+    """torch's CPU rebuilds are allowed, but only over storages and tensors."""
+    data = base64.b64encode(pickle.dumps({"flattened_tensor": call})).decode()
+    with pytest.raises(pickle.UnpicklingError, match="refusing"):
+        payload.deserialize(data)
 
 
 class _Call:

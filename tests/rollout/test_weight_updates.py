@@ -157,7 +157,7 @@ def test_token_ids_only_model_and_memory_release(url):
         assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
         r = http.post("/generate", json={"input_ids": [5], "sampling_params": {
             "max_new_tokens": 2}})
-        assert r.status_code == 200 and r.json()["text"] == ""
+        assert r.status_code == 200 and "text" not in r.json()  # as SGLang's skip_tokenizer_init
         released = http.post("/release_memory_occupation", json={})
         assert released.status_code == 200 and released.json() is None
         r = http.post("/generate", json={"input_ids": [5]})

@@ -2,7 +2,8 @@
 
 :func:`parse_generate` turns a request body into engine :class:`Request` objects (one per prompt)
 or raises :class:`BadRequest` naming the field and the fix; :func:`sample_to_sglang` writes a
-finished sample as SGLang does: ``{"text", "output_ids", "meta_info"}`` with
+finished sample as SGLang does: ``{"text", "output_ids", "meta_info"}`` (no ``text`` without a
+tokenizer, as SGLang's ``--skip-tokenizer-init`` answers) with
 ``output_token_logprobs`` as ``[logprob, token_id, null]`` triples and ``routed_experts`` as
 base64 of int32 values ``(tokens, num_hidden_layers, top_k)``: a row for every layer, 0 for the
 dense ones, as SGLang's capturer leaves them.
@@ -177,5 +178,7 @@ def sample_to_sglang(result: SampleResult, tokenizer: Any = None,
         if layout is None:
             raise ValueError("routed experts captured but the model's layout is unknown")
         meta["routed_experts"] = encode_routed_experts(result.routed_experts, layout)
-    text = tokenizer.decode(result.output_ids) if tokenizer is not None else ""
-    return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+    if tokenizer is None:  # SGLang 0.5.10 tokenizer_manager.py: BatchTokenIDOutput has no text
+        return {"output_ids": result.output_ids, "meta_info": meta}
+    return {"text": tokenizer.decode(result.output_ids), "output_ids": result.output_ids,
+            "meta_info": meta}

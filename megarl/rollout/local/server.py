@@ -259,7 +259,9 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
             engine.weight_version = version
 
         await asyncio.wrap_future(engine.call(apply))
-        return _outcome(True, f"weight_version={version}")
+        # SGLang 0.5.10 http_server.py update_weight_version answers new_version too
+        return JSONResponse({"success": True, "message": f"Weight version updated to {version}",
+                             "new_version": version})
 
     @app.post("/release_memory_occupation")
     async def release_memory(request: Request) -> Response:
