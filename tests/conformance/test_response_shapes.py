@@ -1,8 +1,5 @@
 """The embedded server answers each endpoint megarl uses with real SGLang 0.5.10's status code and
 body shape (read in ``sglang/srt/entrypoints/http_server.py`` and the managers it calls).
-
-Rows marked xfail(strict) are issue 17 points 1-3, being fixed in another branch: the file
-passes today and fails, asking for the mark to go, once the fix lands.
 """
 
 from __future__ import annotations
@@ -25,8 +22,6 @@ torch.set_num_threads(1)
 PROMPT = [5, 6, 7, 8]
 SP = {"max_new_tokens": 3, "temperature": 1.0}
 MOE_FIELDS = {"num_moe_layers", "moe_top_k"}
-FIX = "issue 17 points 1-3"
-"""The reason of the rows still failing: being fixed in a branch not merged yet."""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +50,6 @@ class Row:
     """On the decoded JSON body (None for an empty body)."""
     source: str
     """Where the expectation comes from, in sglang/srt/."""
-    xfail: str | None = None
 
 
 def _is_sample(item: Any) -> bool:
@@ -102,15 +96,13 @@ ROWS = {
     "generate_n": Row("POST", "/generate", {"input_ids": PROMPT, "sampling_params": {**SP, "n": 3},
                                             "rid": "parent"}, 200,
                       _n_samples_with_own_ids(3, "parent"),
-                      "managers/tokenizer_manager.py _handle_batch_request",
-                      xfail=FIX),
+                      "managers/tokenizer_manager.py _handle_batch_request"),
     # managers/io_struct.py GenerateReqInput._handle_parallel_sampling raises ValueError,
     # http_server.py generate_request answers it with _create_error_response: 400 {error}
     "generate_mixed_n": Row(
         "POST", "/generate",
         {"input_ids": [PROMPT, PROMPT], "sampling_params": [{**SP, "n": 2}, {**SP, "n": 1}]},
-        400, _error, "managers/io_struct.py _handle_parallel_sampling",
-        xfail=FIX),
+        400, _error, "managers/io_struct.py _handle_parallel_sampling"),
     # http_server.py abort_request: Response(status_code=200), no body
     "abort_request": Row("POST", "/abort_request", {"rid": "nothing-running"}, 200,
                          lambda b: b is None, "entrypoints/http_server.py abort_request"),
@@ -168,9 +160,7 @@ def _decode(response: httpx.Response) -> Any:
         return response.text
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=row.xfail))
-    if row.xfail else name for name, row in ROWS.items()])
+@pytest.mark.parametrize("name", list(ROWS))
 def test_answer_has_sglangs_shape(name: str, url: str) -> None:
     row = ROWS[name]
     response = httpx.request(row.method, url + row.path, json=row.body, timeout=60)
