@@ -17,14 +17,16 @@ from megarl.config.validate import file_problems
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
-SIZED = [p for p in SHIPPED if p.name != "tiny-moe-cpu.yaml"]
+DEMOS = {"tiny-moe-cpu.yaml", "moe-gpu-demo.yaml"}  # model and data made by `megarl demo`
+SIZED = [p for p in SHIPPED if p.name not in DEMOS]
 CARDS = sorted(p for p in (REPO / "configs" / "models").iterdir() if p.is_dir())
 PLACEHOLDER_RULES = {"check_model_weights", "check_data_files"}
 
 
 def test_the_shipped_set():
-    assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "qwen3-0.6b", "qwen3-235b-a22b",
-                                         "qwen3-30b-a3b", "qwen3-8b", "tiny-moe-cpu"]
+    assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "moe-gpu-demo", "qwen3-0.6b",
+                                         "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-8b",
+                                         "tiny-moe-cpu"]
     assert [c.name for c in CARDS] == [p.stem for p in SIZED]
     for path in SHIPPED:
         assert path.read_text().startswith("# "), f"{path.name} has no header comment"
@@ -45,6 +47,18 @@ def test_demo_config_validates_cleanly_against_the_tiny_model(tiny_moe_dir, tmp_
     assert validate_main([str(REPO / "configs" / "tiny-moe-cpu.yaml"), f"model.path={tiny_moe_dir}",
                           f"data.train_files=[{train}]", f"data.val_files=[{val}]"]) == 0
     assert capsys.readouterr().out == "OK\n"
+
+
+def test_gpu_demo_config_validates_before_the_demo_ran(monkeypatch, capsys):
+    """Only the files `megarl demo --device cuda` makes are missing (reported as warnings)."""
+    monkeypatch.chdir(REPO)
+    cfg, sources = load_config(REPO / "configs" / "moe-gpu-demo.yaml")
+    problems = validate_config(cfg, sources=sources, allow_missing_files=True)
+    assert all(not p.is_error for p in problems), [p.line() for p in problems]
+    assert cfg.checkpoint_engine.backend == "ipc" and cfg.rollout.colocate
+    assert validate_main([str(REPO / "configs" / "moe-gpu-demo.yaml"),
+                          "--allow-missing-files"]) == 0
+    assert capsys.readouterr().out.startswith("OK\n")
 
 
 @pytest.mark.parametrize("path", SIZED, ids=[p.stem for p in SIZED])
