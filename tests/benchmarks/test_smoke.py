@@ -45,3 +45,11 @@ def test_actor_smoke_reports_both_sides(tmp_path):
         # the CUDA-graph side runs GraphedChunk's buffers (emulated on the CPU): same log-probs
         assert r["megatron_graphs_tokens_per_s"] > 0
         assert r["graphs_vs_eager_max_abs_log_prob"] < 1e-5
+
+
+def test_client_requests_smoke_compares_both_ways(capsys):
+    assert load("client_requests").main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    row = json.loads(out.splitlines()[0])
+    assert row["batched_s"] > 0 and row["per_sample_s"] > 0
+    assert "median per-sample / batched" in out

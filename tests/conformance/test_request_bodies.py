@@ -188,10 +188,14 @@ def test_generate_bodies_are_sglang_requests(capture: Capture,
 def test_generate_sends_the_options_asked_for(capture: Capture) -> None:
     """What SGLang reads back from the bodies is what the calls asked for."""
     bodies = capture.recorder.bodies("/generate")
-    sent = [b["sampling_params"] for b in bodies]
+
+    def each(value: Any) -> list[Any]:  # a batch carries one value per item
+        return value if isinstance(value, list) else [value]
+
+    sent = [sp for b in bodies for sp in each(b["sampling_params"])]
     assert any(sp.get("n", 1) > 1 or sp.get("sampling_seed") is not None for sp in sent)
     assert all(b.get("return_routed_experts") for b in bodies[:2 * len(PARAMS)])
-    rids = {b.get("rid") for b in bodies}
+    rids = {r for b in bodies for r in each(b.get("rid"))}
     assert any(str(r).startswith(("r-a", "r-b")) for r in rids), rids
 
 

@@ -17,31 +17,39 @@ SAMPLED = SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)
 
 
 class FakeEngine:
-    """An SGLang stand-in recording what the client sends; ``hold`` rids wait for an abort."""
+    """An SGLang stand-in recording what the client sends (one entry per request item: a
+    batch's items are listed one by one); ``hold`` rids wait for an abort."""
 
     def __init__(self, hold: bool = False) -> None:
         self.generated: list[dict[str, Any]] = []
+        self.calls = 0
         self.aborted: list[str] = []
         self.hold = hold
         self._released: dict[str, asyncio.Event] = {}
 
     async def __call__(self, request: httpx.Request) -> httpx.Response:
-        """Answer ``/generate`` (one sample per request) and ``/abort_request``."""
+        """Answer ``/generate`` (a single request or a batch) and ``/abort_request``."""
         body = json.loads(request.content or b"{}")
         if request.url.path == "/abort_request":
             self.aborted.append(body["rid"])
             self._released.setdefault(body["rid"], asyncio.Event()).set()
             return httpx.Response(200)
-        self.generated.append(body)
-        rid, n = body["rid"], body["sampling_params"].get("n", 1)
-        reason = {"type": "length", "length": 1}
-        if self.hold:
-            await self._released.setdefault(rid, asyncio.Event()).wait()
-            reason = {"type": "abort", "message": "aborted"}
-        token = (body["sampling_params"].get("sampling_seed") or 0) % 100
-        item = {"output_ids": [token], "meta_info": {
-            "id": rid, "finish_reason": reason, "output_token_logprobs": [[-0.5, token, None]]}}
-        return httpx.Response(200, json=item if n == 1 else [item] * n)
+        self.calls += 1
+        batch = isinstance(body["rid"], list)
+        rids = body["rid"] if batch else [body["rid"]]
+        params = body["sampling_params"] if batch else [body["sampling_params"]]
+        out = []
+        for rid, sampling in zip(rids, params):
+            self.generated.append({"rid": rid, "sampling_params": sampling})
+            reason = {"type": "length", "length": 1}
+            if self.hold:
+                await self._released.setdefault(rid, asyncio.Event()).wait()
+                reason = {"type": "abort", "message": "aborted"}
+            token = (sampling.get("sampling_seed") or 0) % 100
+            out += [{"output_ids": [token], "meta_info": {
+                "id": rid, "finish_reason": reason,
+                "output_token_logprobs": [[-0.5, token, None]]}}] * sampling.get("n", 1)
+        return httpx.Response(200, json=out if batch or len(out) > 1 else out[0])
 
 
 def _client(engine: FakeEngine, **kwargs: Any) -> SGLangClient:
@@ -68,6 +76,7 @@ def test_client_sends_one_request_per_sample_with_seed_plus_j():
             await client.close()
 
     seeded, unseeded, single = asyncio.run(scenario())
+    assert engine.calls == 4  # one call per prompt: its samples go as one batch
     sent = {b["rid"]: b["sampling_params"] for b in engine.generated}
     assert all(p["n"] == 1 for p in sent.values())
     assert {r: sent[r]["sampling_seed"] for r in ("a-0", "a-1", "a-2", "b-0", "b-1", "b-2")} == {

@@ -223,59 +223,70 @@ class SGLangClient(RolloutEngine):
         return_routed_experts: bool = False,
     ) -> list[RolloutSample]:
         """One prompt's ``n`` samples from one engine (another one if that engine fails), sent
-        as ``n`` requests of one sample: sample j with ``sampling_seed`` ``seed + j`` (a random
-        seed when ``params.seed`` is None) and rid ``f"{rid}-{j}"`` (``rid`` itself when
-        n == 1). SGLang gives all samples of an n > 1 request the same seed (identical samples
-        under deterministic inference) and ids of its own, so n > 1 is never sent."""
+        as one batched ``/generate`` of ``n`` single-sample items: sample j with
+        ``sampling_seed`` ``seed + j`` (a random seed when ``params.seed`` is None) and rid
+        ``f"{rid}-{j}"`` (``rid`` itself when n == 1). SGLang gives all samples of an n > 1
+        request the same seed (identical samples under deterministic inference) and ids of its
+        own, so n > 1 is never sent; a batch of equal-n items is what it accepts."""
         rid = rid or uuid.uuid4().hex
         children = [rid] if params.n == 1 else [f"{rid}-{j}" for j in range(params.n)]
         key = group_key if group_key is not None else tuple(prompt_ids)
         if params.n > 1:
             self._children[rid] = children
         try:
-            return list(await asyncio.gather(*(
-                self._generate_sample(prompt_ids, replace(params, n=1, seed=seed), child, key,
-                                      (prompt_index, j), return_logprob, return_routed_experts)
-                for j, (child, seed) in enumerate(zip(children, _sample_seeds(params))))))
+            items = [(child, replace(params, n=1, seed=seed))
+                     for child, seed in zip(children, _sample_seeds(params))]
+            return await self._generate_items(prompt_ids, items, key, prompt_index,
+                                              return_logprob, return_routed_experts)
         finally:
             self._children.pop(rid, None)
             self._aborted_rids.discard(rid)
 
-    async def _generate_sample(
-        self, prompt_ids: list[int], params: SamplingParams, rid: str, key: Hashable,
-        index: tuple[int, int], return_logprob: bool, return_routed_experts: bool,
-    ) -> RolloutSample:
-        """One sample (an n = 1 request), re-sent on engine loss or (``retry_aborted``) on an
-        engine abort; ``index`` = (prompt index, sample index)."""
-        payload = generate_payload(prompt_ids, params, rid=rid, return_logprob=return_logprob,
-                                   return_routed_experts=return_routed_experts)
-        cost = len(prompt_ids) + params.max_new_tokens
-        lost, resubmits = 0, 0
+    async def _generate_items(
+        self, prompt_ids: list[int], items: list[tuple[str, SamplingParams]], key: Hashable,
+        prompt_index: int, return_logprob: bool, return_routed_experts: bool,
+    ) -> list[RolloutSample]:
+        """Single-sample requests ``(rid, params)`` of one prompt in one call (a batch when
+        there are several), re-sent on engine loss; with ``retry_aborted`` the samples the
+        engine aborted are sent again, the others kept."""
+        samples: list[RolloutSample | None] = [None] * len(items)
+        todo, lost, resubmits = list(range(len(items))), 0, 0
         try:
-            while True:
+            while todo:
+                rids = [items[j][0] for j in todo]
+                payload = generate_payload(prompt_ids, [items[j][1] for j in todo], rids=rids,
+                                           return_logprob=return_logprob,
+                                           return_routed_experts=return_routed_experts)
+                cost = (len(prompt_ids) + items[0][1].max_new_tokens) * len(todo)
                 engine = await self._acquire(key, cost)
                 epoch = self._abort_epoch
                 try:
-                    answer = await self._generate_on(engine, rid, payload)
+                    answer = await self._generate_on(engine, rids, payload)
                 except _EngineLost:
                     lost += 1
                     self.stats.failovers += 1
                     if lost > len(self.urls) * (self.max_retries + 1):
-                        raise EngineError(f"request {rid}: its engine failed {lost} times; "
+                        raise EngineError(f"request {rids[0]}: its engine failed {lost} times; "
                                           "see the engine logs") from None
                     continue
                 finally:
                     self.balancer.release(engine, cost)
                 layout = await self._layout(engine) if return_routed_experts else None
-                samples = decode_generate_answer(answer, prompt_ids, index[0], layout)
-                if len(samples) != 1:
-                    raise EngineError(f"request {rid}: {len(samples)} samples for n=1")
-                if not self._resubmit(samples, rid, epoch, resubmits):
-                    return replace(samples[0], sample_index=index[1])
-                resubmits += 1
-                self.stats.resubmitted_aborts += 1
+                got = decode_generate_answer(answer, prompt_ids, prompt_index, layout)
+                if len(got) != len(todo):
+                    raise EngineError(f"request {rids[0]}: {len(got)} samples for "
+                                      f"{len(todo)} single-sample requests")
+                for j, sample in zip(todo, got):
+                    samples[j] = replace(sample, sample_index=j)
+                retry = [j for j in todo
+                         if self._resubmit(samples[j], items[j][0], epoch, resubmits)]
+                if retry:
+                    resubmits += 1
+                    self.stats.resubmitted_aborts += len(retry)
+                todo = retry
         finally:
-            self._aborted_rids.discard(rid)
+            self._aborted_rids.difference_update(rid for rid, _ in items)
+        return [s for s in samples if s is not None]
 
     async def _acquire(self, key: Hashable, cost: int) -> int:
         """An engine for the request; waits up to ``failover_timeout_s`` while all are down."""
@@ -290,12 +301,13 @@ class SGLangClient(RolloutEngine):
                                       "be readmitted)") from None
             await asyncio.sleep(0.1)
 
-    async def _generate_on(self, engine: int, rid: str, payload: dict[str, Any]) -> Any:
-        """POST ``/generate`` to ``engine``; :class:`_EngineLost` when it goes down meanwhile."""
+    async def _generate_on(self, engine: int, rids: list[str], payload: dict[str, Any]) -> Any:
+        """POST ``/generate`` (the requests ``rids``) to ``engine``; :class:`_EngineLost` when
+        it goes down meanwhile."""
         async with self._semaphore(engine):
             if engine in self.balancer.down:
                 raise _EngineLost
-            self._rid_engine[rid] = engine
+            self._rid_engine.update(dict.fromkeys(rids, engine))
             self.stats.requests[engine] += 1
             call = asyncio.ensure_future(self._post_generate(engine, payload))
             self._inflight[engine].add(call)
@@ -304,12 +316,13 @@ class SGLangClient(RolloutEngine):
             except asyncio.CancelledError:
                 task = asyncio.current_task()
                 if (task is not None and task.cancelling()) or engine not in self.balancer.down:
-                    await asyncio.shield(self._abort_quietly(rid))
+                    await asyncio.shield(asyncio.gather(*(self._abort_quietly(r) for r in rids)))
                     raise
                 raise _EngineLost from None
             finally:
                 self._inflight[engine].discard(call)
-                self._rid_engine.pop(rid, None)
+                for rid in rids:
+                    self._rid_engine.pop(rid, None)
 
     async def _post_generate(self, engine: int, payload: dict[str, Any]) -> Any:
         """One ``/generate`` call. A failed connection is retried at once (a kept-alive
@@ -343,11 +356,9 @@ class SGLangClient(RolloutEngine):
                 await asyncio.sleep(self.retry_backoff_s * 2 ** (attempt - 1))
         raise AssertionError("unreachable")
 
-    def _resubmit(self, samples: list[RolloutSample], rid: str, epoch: int,
-                  resubmits: int) -> bool:
-        """Whether samples the engine aborted should be generated again."""
-        return (resubmits < self.retry_aborted
-                and any(s.finish_reason == "abort" for s in samples)
+    def _resubmit(self, sample: RolloutSample, rid: str, epoch: int, resubmits: int) -> bool:
+        """Whether a sample the engine aborted should be generated again."""
+        return (resubmits < self.retry_aborted and sample.finish_reason == "abort"
                 and rid not in self._aborted_rids and epoch == self._abort_epoch)
 
     def _semaphore(self, engine: int) -> asyncio.Semaphore:

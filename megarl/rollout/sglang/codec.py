@@ -30,10 +30,28 @@ class ResponseFormatError(ValueError):
     """An engine answer that cannot be decoded."""
 
 
-def generate_payload(prompt_ids: list[int], params: SamplingParams, *, rid: str,
+def generate_payload(prompt_ids: list[int], params: SamplingParams | list[SamplingParams], *,
+                     rid: str | None = None, rids: list[str] | None = None,
                      return_logprob: bool, return_routed_experts: bool) -> dict[str, Any]:
-    """The JSON body of one ``/generate`` request (one prompt, ``params.n`` samples)."""
-    body: dict[str, Any] = {
+    """The JSON body of one ``/generate`` request: one prompt with ``params`` (``params.n``
+    samples), or, with a list of params and ``rids``, a batch of that prompt with one item per
+    params (SGLang's list form; a single item is sent as a plain request)."""
+    if isinstance(params, list):
+        if rids is None or len(rids) != len(params):
+            raise ValueError("generate_payload: give one rid per item of params")
+        if len(params) == 1:
+            params, rid = params[0], rids[0]
+        else:
+            body: dict[str, Any] = {
+                "input_ids": [list(prompt_ids) for _ in params],
+                "sampling_params": [p.to_sglang() for p in params],
+                "return_logprob": return_logprob,
+                "rid": list(rids),
+            }
+            if return_routed_experts:
+                body["return_routed_experts"] = True
+            return body
+    body = {
         "input_ids": list(prompt_ids),
         "sampling_params": params.to_sglang(),
         "return_logprob": return_logprob,
