@@ -1,6 +1,6 @@
 """``megarl bench``: benchmarks by name, each printing its figures next to a floor or baseline.
 
-- ``weight-sync``: Megatron export -> transport -> embedded engines (:mod:`megarl.weights.benchmark`);
+- ``weight-sync``: Megatron export -> transport -> embedded engines (:mod:`megarl.bench_weights`);
 - ``rollout``, ``actor``, ``scheduler``: the scripts ``benchmarks/<name>_throughput.py`` (found
   next to the ``megarl`` package in a source checkout): embedded engine vs HF ``generate``,
   native-spec Megatron actor vs HF transformers (forward+backward), and the three schedulers on
@@ -19,7 +19,7 @@ NOT_BUILT: dict[str, str] = {}
 
 
 def _weight_sync(argv: list[str]) -> int:
-    from megarl.weights.benchmark import weight_sync_main
+    from megarl.bench_weights import weight_sync_main
 
     return weight_sync_main(argv)
 

@@ -22,6 +22,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from megarl.kernels import triton_kernels
+
 
 def rms_norm(x: torch.Tensor, gamma: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension: fused kernel on CUDA, HF's fp32 formula on the CPU
@@ -58,21 +60,6 @@ class _Rotary(torch.autograd.Function):
         halves = grad.reshape(*shape[:-1], 2, shape[-1] // 2)
         out = halves * cos + (halves * sin_signed).flip(-2)
         return out.reshape(shape), None, None
-
-
-_TRITON = None
-
-
-def triton_kernels():
-    """:mod:`megarl.megatron.native_triton` when CUDA and Triton are there, else None."""
-    global _TRITON
-    if _TRITON is None:
-        try:
-            import megarl.megatron.native_triton as module
-        except ImportError:
-            module = False
-        _TRITON = module if torch.cuda.is_available() else False
-    return _TRITON or None
 
 
 def _fwd_bwd(fn, inputs: list[torch.Tensor | None]) -> torch.Tensor:

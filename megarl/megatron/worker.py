@@ -284,7 +284,7 @@ class ActorWorker(Worker):
 
     def weight_group_address(self) -> tuple[str, int]:
         """This node's IP and a free port for the weight-update group's rendezvous."""
-        from megarl.rollout.process import free_port
+        from megarl.net import free_port
 
         return self.info.node_ip, free_port("0.0.0.0")
 

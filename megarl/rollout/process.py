@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -23,18 +22,13 @@ from pathlib import Path
 
 import httpx
 
+from megarl.net import free_port  # noqa: F401 - where launchers and tests import it
+
 logger = logging.getLogger(__name__)
 
 
 class ServerStartError(RuntimeError):
     """A server exited or did not become healthy in time."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free right now on ``host``."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class ManagedServer:

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megarl.cluster.worker import Worker, host_ip
+from megarl.net import free_port
 from megarl.rollout.local.launch import build_local_command, local_server
-from megarl.rollout.process import ManagedServer, free_port
+from megarl.rollout.process import ManagedServer
 
 
 @dataclass(frozen=True)

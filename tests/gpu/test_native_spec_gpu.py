@@ -48,7 +48,8 @@ def test_flash_varlen_matches_sdpa_per_sequence_values_and_gradients():
 
 
 def test_triton_kernels_match_the_torch_path_values_and_gradients():
-    from megarl.megatron import native_ops, native_triton
+    from megarl.kernels import triton_ops as native_triton
+    from megarl.megatron import native_ops
 
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(96, 2 * 768, device="cuda", generator=g, dtype=torch.bfloat16)

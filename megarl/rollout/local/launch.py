@@ -11,7 +11,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from megarl.config.schema_common import is_loopback_host
-from megarl.rollout.process import ManagedServer, free_port, start_all
+from megarl.net import free_port
+from megarl.rollout.process import ManagedServer, start_all
 
 API_KEY_ENV = "MEGARL_ROLLOUT_API_KEY"
 """Environment variable holding the key an embedded server requires (``rollout.api_key``)."""

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megarl.kernels import triton_kernels
 from megarl.rollout.local.fused_projections import FusedLayer
 from megarl.rollout.local.sampling import FusedSampling
 
@@ -132,12 +133,6 @@ class _Cache:
         self.rows_cap = self.len_cap = 0
 
 
-def _triton_kernels():
-    from megarl.megatron.native_ops import triton_kernels
-
-    return triton_kernels()
-
-
 def _cuda_module(name: str):
     """``megarl.rollout.local.<name>`` (a Triton module for CUDA), or None without Triton."""
     try:
@@ -202,7 +197,7 @@ class NativeDecoder:
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.flash = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
         self._fast_checked = False
-        self._kernels = _triton_kernels() if self.device.type == "cuda" else None
+        self._kernels = triton_kernels() if self.device.type == "cuda" else None
         self.fast_kernels = self.device.type == "cuda"
         """Triton RoPE / SwiGLU and all-experts MoE decode (CUDA; checked on first decode)."""
         self._graphs: dict[int, _Graph] = {}

@@ -1,5 +1,5 @@
-"""Triton kernels for :mod:`megarl.megatron.native_ops` on CUDA: SwiGLU and RoPE, forward and
-backward, each one pass over its tensors.
+"""Triton kernels for :mod:`megarl.megatron.native_ops` and the embedded engine on CUDA: SwiGLU
+and RoPE, forward and backward, each one pass over its tensors.
 
 They compute in fp32 and round where torch's kernels round (the SwiGLU activation, its product,
 the probability scaling), so results match the torch path to within one bf16 rounding. Imported

@@ -1,0 +1,75 @@
+"""DESIGN.md's layering, checked on the source: a package imports downward only, and the two
+engines (the Megatron train side and the rollout side) meet only through the checkpoint engine
+(``megarl.weights``). Imports under ``if TYPE_CHECKING:`` are type hints, not dependencies."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1] / "megarl"
+TRAINER = {"trainer", "trainer_setup", "trainer_critic", "trainer_checkpoint"}
+ABOVE_ENGINES = {"scheduler", *TRAINER}
+# package -> top-level megarl modules it must not import (directly, at run time)
+FORBIDDEN: dict[str, set[str]] = {
+    "algo": {"*"},
+    "config": {"*"},
+    "kernels": {"*"},
+    "net": {"*"},
+    "cluster": {"megatron", "rollout", "weights", *ABOVE_ENGINES},
+    "megatron": {"rollout", *ABOVE_ENGINES},
+    "rollout": {"megatron", *ABOVE_ENGINES},
+    "weights": {"rollout", *ABOVE_ENGINES},
+    "scheduler": TRAINER,
+}
+
+
+def _type_checking_lines(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.body:
+                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
+    return lines
+
+
+def megarl_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, top-level megarl module) of every run-time import in a file."""
+    tree = ast.parse(path.read_text())
+    hints = _type_checking_lines(tree)
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "megarl" and len(parts) > 1 and node.lineno not in hints:
+                found.append((node.lineno, parts[1]))
+    return found
+
+
+def _files(package: str) -> list[Path]:
+    single = ROOT / f"{package}.py"
+    return [single] if single.exists() else sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_packages_import_downward_only(package):
+    banned = FORBIDDEN[package]
+    bad = [f"{path.relative_to(ROOT.parent)}:{line} imports megarl.{target}"
+           for path in _files(package) for line, target in megarl_imports(path)
+           if target != package and ("*" in banned or target in banned)]
+    assert not bad, "\n".join(bad)
+
+
+def test_the_checker_sees_function_level_imports(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from megarl.trainer import Trainer\n"
+                      "def f():\n    from megarl.rollout.process import free_port\n")
+    assert megarl_imports(source) == [(5, "rollout")]
