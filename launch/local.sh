@@ -29,6 +29,10 @@
 
 set -euo pipefail
 
+# Ray workers at the driver's priority, as megarl's own local Ray runs them (ray_init.py): Ray's
+# default niceness 15 leaves train ranks and engines a few percent of a busy CPU.
+export RAY_worker_niceness=0
+
 LOG_PREFIX="megarl-local:"
 RAY_HEAD_PID=""
 

@@ -17,6 +17,7 @@ Qwen3 dense model of about ``--size-mb`` is generated (a Qwen3-MoE when ``--ep``
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import queue
 import socket
@@ -30,6 +31,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from megarl.children import die_with_parent, in_spawner_thread
 
 BACKENDS = ("nccl", "nixl", "ipc", "disk")
 MB = 1 << 20
@@ -152,6 +155,8 @@ def run_rank(job: RankJob) -> dict[str, Any] | None:
 
 
 def _rank_main(rank: int, world_size: int, port: int, job: RankJob, results: Any) -> None:
+    parent = multiprocessing.parent_process()
+    die_with_parent(parent.pid if parent else None)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch.distributed as dist
@@ -182,8 +187,7 @@ def run_ranks(job: RankJob, timeout_s: float) -> dict[str, Any]:
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results), daemon=True)
              for r in range(world)]
-    for proc in procs:
-        proc.start()
+    in_spawner_thread(lambda: [proc.start() for proc in procs])
     outcomes: dict[int, tuple[bool, Any]] = {}
     deadline = time.monotonic() + timeout_s
     try:

@@ -5,7 +5,8 @@ user message), ``data_source``, ``reward_model: {ground_truth, style}`` and ``ex
 :class:`PromptDataset` reads one or more files (concatenated in order), applies the tokenizer's
 chat template, checks every token id against the model's vocabulary (PITFALLS T4) and filters
 prompts longer than ``max_prompt_length`` tokens, counting them (``num_filtered``) and logging
-one line. Every problem with the input is one :class:`DatasetError` line naming the file, the
+one line. A row whose ``input_ids`` column is set (not null) is pre-tokenized: those ids are the
+prompt, checked against the vocabulary the same way, and the chat template is not applied. Every problem with the input is one :class:`DatasetError` line naming the file, the
 row and the fix.
 """
 
@@ -20,6 +21,8 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SUPPORTED_EXTENSIONS = (".parquet", ".jsonl")
+IDS_COLUMN = "input_ids"
+"""Column of a pre-tokenized prompt: used as the prompt's token ids instead of the template's."""
 
 
 class DatasetError(ValueError):
@@ -157,7 +160,8 @@ def parse_row(row: dict[str, Any], where: str, prompt_key: str = "prompt") -> di
 class PromptDataset(Sequence):
     """Tokenized prompts from parquet/JSONL files, filtered by length, ids checked against vocab.
 
-    Each item is a dict with ``input_ids`` (chat template applied, generation prompt added),
+    Each item is a dict with ``input_ids`` (the row's ``input_ids`` column when set, else the
+    prompt with the chat template applied and the generation prompt added),
     ``raw_prompt`` (the messages), ``data_source``, ``ground_truth``, ``style``, ``extra_info`` and
     ``index`` (the row's position in the concatenation of all files, counted before filtering).
     """
@@ -193,7 +197,7 @@ class PromptDataset(Sequence):
             for row_idx, row in enumerate(read_rows(path)):
                 where = f"{path}: row {row_idx}"
                 example = parse_row(row, where, prompt_key)
-                example["input_ids"] = self._tokenize(example["raw_prompt"], where)
+                example["input_ids"] = self._prompt_ids(row, example["raw_prompt"], where)
                 example["index"] = self.num_rows
                 self.num_rows += 1
                 if len(example["input_ids"]) > max_prompt_length:
@@ -214,6 +218,32 @@ class PromptDataset(Sequence):
                 f"than max_prompt_length={max_prompt_length} tokens; raise data.max_prompt_length"
             )
 
+    def _prompt_ids(self, row: dict[str, Any], messages: list[dict[str, str]],
+                    where: str) -> list[int]:
+        """The row's ``input_ids`` column when set, else its messages through the template."""
+        given = row.get(IDS_COLUMN)
+        if given is None:
+            return self._tokenize(messages, where)
+        if (not isinstance(given, (list, tuple)) or not given
+                or not all(isinstance(i, int) and not isinstance(i, bool) for i in given)):
+            raise DatasetError(
+                f"{where}: column {IDS_COLUMN!r} must be a non-empty list of integer token ids, "
+                f"got {given!r:.60}; fix the column, or drop it to tokenize the {self.prompt_key}"
+                " column with the chat template")
+        self._check_vocab(list(given), f"{where}: column {IDS_COLUMN!r}",
+                          "the ids were made with another tokenizer: re-tokenize with the "
+                          f"model's tokenizer, or drop the column to tokenize {self.prompt_key!r}")
+        return [int(i) for i in given]
+
+    def _check_vocab(self, ids: list[int], where: str, fix: str) -> None:
+        """Raise naming ``where`` and ``fix`` when an id is outside the model's vocabulary."""
+        for pos, token_id in enumerate(ids):
+            if not 0 <= token_id < self.vocab_size:
+                raise DatasetError(
+                    f"{where}: token id {token_id} at position {pos} is outside the model's "
+                    f"vocabulary (vocab_size={self.vocab_size}); {fix}"
+                )
+
     def _tokenize(self, messages: list[dict[str, str]], where: str) -> list[int]:
         try:
             ids = self.encode_prompt(messages)
@@ -223,13 +253,8 @@ class PromptDataset(Sequence):
                 f"({type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}); "
                 "fix the row's messages or the chat template"
             ) from exc
-        for pos, token_id in enumerate(ids):
-            if not 0 <= token_id < self.vocab_size:
-                raise DatasetError(
-                    f"{where}: token id {token_id} at position {pos} is outside the model's "
-                    f"vocabulary (vocab_size={self.vocab_size}); the tokenizer does not match "
-                    "the model: use the tokenizer saved with the model"
-                )
+        self._check_vocab(ids, where, "the tokenizer does not match the model: use the "
+                          "tokenizer saved with the model")
         return ids
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:

@@ -13,6 +13,7 @@ its deadline is simply ``submit time + timeout``. Two mechanisms enforce it:
 
 Either way the task's result is :data:`TIMED_OUT`. Workers are started with the ``spawn`` method
 and the pool waits until all of them have run their initializer before the first deadline counts.
+Workers die with the driver (:mod:`megarl.children`), even when it is SIGKILLed.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from typing import Any
+
+from megarl.children import die_with_parent, in_spawner_thread
 
 HARD_DEADLINE_GRACE_S = 1.0
 _SOFT_TIMEOUT_SIGNAL = signal.SIGUSR1
@@ -67,8 +70,10 @@ def _on_soft_timeout(signum: int, frame: Any) -> None:
         raise _SoftTimeout()
 
 
-def _init_worker(barrier: Any, initializer: Callable[..., None] | None, initargs: tuple) -> None:
+def _init_worker(barrier: Any, parent_pid: int, initializer: Callable[..., None] | None,
+                 initargs: tuple) -> None:
     global _worker_barrier, _worker_init_error
+    die_with_parent(parent_pid)
     _worker_barrier = barrier
     signal.signal(_SOFT_TIMEOUT_SIGNAL, _on_soft_timeout)
     if initializer is not None:
@@ -197,17 +202,20 @@ class TimedProcessPool:
         assert self._executor is not None
         return self._executor
 
-    def _start(self) -> None:
+    def _launch(self) -> tuple[ProcessPoolExecutor, list[Future]]:
+        """The executor and one ping per worker (submitting them starts the workers)."""
         context = multiprocessing.get_context("spawn")
         barrier = context.Barrier(self.num_workers)
-        self._executor = ProcessPoolExecutor(
+        executor = ProcessPoolExecutor(
             self.num_workers, mp_context=context, initializer=_init_worker,
-            initargs=(barrier, self._initializer, self._initargs),
+            initargs=(barrier, os.getpid(), self._initializer, self._initargs),
         )
-        pings = [
-            self._executor.submit(_wait_ready, self._start_timeout_s)
-            for _ in range(self.num_workers)
-        ]
+        return executor, [executor.submit(_wait_ready, self._start_timeout_s)
+                          for _ in range(self.num_workers)]
+
+    def _start(self) -> None:
+        # Forked from the spawner thread: a worker's parent-death signal follows that thread.
+        self._executor, pings = in_spawner_thread(self._launch)
         try:
             ready = [ping.result(timeout=self._start_timeout_s + 5.0) for ping in pings]
         except BrokenProcessPool as exc:

@@ -1,7 +1,8 @@
 """Server processes of the rollout pool: start, wait for health, stop, restart on death.
 
 :class:`ManagedServer` owns one server process (SGLang, the SGLang router, or megarl's embedded
-engine) started in its own session so that stopping it stops its children too; a server that
+engine) started in its own session so that stopping it stops its children too, and killed by
+the kernel when the process that started it dies (:func:`megarl.children.popen`); a server that
 requires an API key gets it through ``env`` (never the command line, which other users of the
 machine can read) and its health probes send it.
 :class:`ServerSupervisor` watches a set of them from a thread and restarts one that died (up to
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from megarl.children import popen
 from megarl.net import free_port  # noqa: F401 - where launchers and tests import it
 
 logger = logging.getLogger(__name__)
@@ -55,8 +57,8 @@ class ManagedServer:
             self._log_file = open(self.log_path, "ab")  # noqa: SIM115  (closed by stop())
         sink = self._log_file or subprocess.DEVNULL
         env = {**os.environ, **self.env} if self.env else None
-        self.process = subprocess.Popen(self.argv, stdout=sink, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True)
+        self.process = popen(self.argv, stdout=sink, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)
 
     @property
     def alive(self) -> bool:

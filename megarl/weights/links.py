@@ -61,17 +61,20 @@ class HttpLink:
     ``post`` sends the N requests from a thread pool and returns at once (the sender moves the
     bytes while the engines' requests are in flight); a failed request (connection refused,
     HTTP error, timeout) becomes that engine's ``{"ok": False, "error": ...}`` reply naming the
-    URL, so the sender aborts the update with the engine's name.
+    URL, so the sender aborts the update with the engine's name. ``api_key`` (``rollout.api_key``)
+    is sent as ``Authorization: Bearer <key>`` on every request.
     """
 
     def __init__(self, urls: Sequence[str], timeout_s: float = 300.0,
-                 path: str = CHECKPOINT_PATH) -> None:
+                 path: str = CHECKPOINT_PATH, api_key: str | None = None) -> None:
         if not urls:
             raise ValueError("urls: give at least one engine URL (http://host:port)")
         self.urls = [u.rstrip("/") for u in urls]
         self.path = path
         self.timeout_s = timeout_s
-        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0))
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0),
+                                    headers=headers)
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.urls),
                                                            thread_name_prefix="megarl-http-link")
 

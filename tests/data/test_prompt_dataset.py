@@ -215,3 +215,43 @@ def test_malformed_prompt_messages(tmp_path, tokenizer):
     expect_error(write_rows(tmp_path / "a.jsonl", rows), tokenizer, "row 2", "message 0")
     rows[2]["prompt"] = []
     expect_error(write_rows(tmp_path / "b.jsonl", rows), tokenizer, "row 2", "non-empty list")
+
+
+@pytest.mark.parametrize("ext", ["parquet", "jsonl"])
+def test_an_input_ids_column_is_the_prompt(tmp_path, tokenizer, ext):
+    rows = sample_rows(3)
+    rows[0]["input_ids"] = [5, 6, 7, 8]
+    rows[2]["input_ids"] = [9, 10]
+    path = write_rows(tmp_path / f"d.{ext}", rows)
+    ds = dataset(path, tokenizer, max_len=3)
+    # row 0 (4 ids) is filtered by its given length; row 1 has no ids (null in parquet) and is
+    # tokenized from its text, which is longer than 3 tokens too; row 2 keeps its own ids.
+    assert ds.num_filtered == 2 and [item["index"] for item in ds] == [2]
+    assert ds[0]["input_ids"] == [9, 10] and ds[0]["raw_prompt"] == rows[2]["prompt"]
+    ds = dataset(path, tokenizer)
+    assert [item["input_ids"] for item in ds][::2] == [[5, 6, 7, 8], [9, 10]]
+    assert ds[1]["input_ids"] == tokenizer.apply_chat_template(
+        rows[1]["prompt"], add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+@pytest.mark.parametrize("ext", ["parquet", "jsonl"])
+def test_input_ids_outside_the_vocab_name_file_row_and_column(tmp_path, tokenizer, ext):
+    rows = sample_rows(2)
+    rows[0]["input_ids"], rows[1]["input_ids"] = [1, 2], [3, 500]
+    path = write_rows(tmp_path / f"d.{ext}", rows)
+    with pytest.raises(DatasetError) as err:
+        dataset(path, tokenizer)
+    message = str(err.value)
+    assert f"{path}: row 1: column 'input_ids'" in message
+    assert "token id 500 at position 1" in message and "vocab_size=128" in message
+
+
+def test_input_ids_that_are_not_token_ids_are_refused(tmp_path, tokenizer):
+    for bad in ([], [1.5, 2], "1 2 3", [True]):
+        row = make_row("x")
+        row["input_ids"] = bad
+        path = tmp_path / "d.jsonl"
+        path.write_text(json.dumps(row) + "\n")
+        with pytest.raises(DatasetError, match=r"d.jsonl: row 0: column 'input_ids' must be a "
+                                               "non-empty list of integer token ids"):
+            dataset(path, tokenizer)

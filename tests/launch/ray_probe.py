@@ -29,8 +29,9 @@ from megarl.metrics.trackers import JsonlTracker
 
 @ray.remote(num_cpus=1)
 def square(x: int) -> dict:
-    """x squared, with the host and PID of the Ray worker that computed it."""
-    return {"value": x * x, "host": socket.gethostname(), "pid": os.getpid()}
+    """x squared, with the host, PID and niceness of the Ray worker that computed it."""
+    return {"value": x * x, "host": socket.gethostname(), "pid": os.getpid(),
+            "niceness": os.nice(0)}
 
 
 def main(argv: list[str]) -> int:
@@ -65,6 +66,7 @@ def main(argv: list[str]) -> int:
                    "cpus": n["Resources"].get("CPU", 0)} for n in nodes],
         "results": results,
         "driver_pid": os.getpid(),
+        "driver_niceness": os.nice(0),
     }
     (out / "probe.json").write_text(json.dumps(report, indent=1))
     tracker = JsonlTracker(out)

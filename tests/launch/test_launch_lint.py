@@ -73,3 +73,16 @@ def test_shellcheck_is_clean(script: Path) -> None:
 def test_scripts_are_executable(script: Path) -> None:
     """Users run them directly (`launch/local.sh ...`)."""
     assert os.access(script, os.X_OK), f"chmod +x {script.relative_to(REPO)}"
+
+
+RAY_STARTERS = ("launch/local.sh", "slurm/ray_on_slurm.slurm")
+
+
+@pytest.mark.parametrize("name", RAY_STARTERS)
+def test_ray_workers_start_at_normal_priority(name: str) -> None:
+    """Scripts that run `ray start` export RAY_worker_niceness=0 before it (ray_init.py's setting)."""
+    lines = [line.strip() for line in (REPO / name).read_text().splitlines()]
+    exports = [i for i, line in enumerate(lines) if line == "export RAY_worker_niceness=0"]
+    starts = [i for i, line in enumerate(lines) if "ray start" in line.split("#")[0]]
+    assert exports, f"{name}: add `export RAY_worker_niceness=0` (Ray's default niceness is 15)"
+    assert starts and min(exports) < min(starts), f"{name}: export it before `ray start`"

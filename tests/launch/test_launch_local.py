@@ -96,6 +96,8 @@ def test_local_sh_starts_a_private_head_and_passes_it_to_the_command(held_ray: H
     assert probe["config"]["ray.num_cpus"] == 2
     assert [n["cpus"] for n in probe["nodes"]] == [2.0]
     assert sorted(r["value"] for r in probe["results"]) == [0, 1]
+    # Workers run at the command's priority, not Ray's default niceness 15.
+    assert {r["niceness"] for r in probe["results"]} == {probe["driver_niceness"]}
 
 
 def test_local_sh_attaches_to_a_running_ray(held_ray: HeldRay, tmp_path: Path) -> None:

@@ -136,6 +136,21 @@ def test_the_client_sends_the_key_to_generation_control_and_weight_endpoints(gua
     assert server.healthy()  # ManagedServer's probe sends the key too
 
 
+def test_the_weight_link_sends_the_key(guarded):
+    from megarl.weights.links import HttpLink
+
+    server, _ = guarded
+    keyed, anonymous = HttpLink([server.url], timeout_s=30, api_key=KEY), HttpLink([server.url])
+    try:
+        (accepted,) = keyed.post([{"op": "abort", "reason": "test"}])()
+        (refused,) = anonymous.post([{"op": "abort", "reason": "test"}])()
+    finally:
+        keyed.close()
+        anonymous.close()
+    assert accepted == {"ok": True}
+    assert not refused["ok"] and "HTTP 401" in refused["error"] and KEY not in refused["error"]
+
+
 def test_the_key_never_reaches_command_lines_logs_or_server_info(guarded, caplog):
     server, log_file = guarded
     with caplog.at_level(logging.DEBUG):
