@@ -18,6 +18,7 @@ FORBIDDEN: dict[str, set[str]] = {
     "config": {"*"},
     "kernels": {"*"},
     "net": {"*"},
+    "children": {"*"},
     "cluster": {"megatron", "rollout", "weights", *ABOVE_ENGINES},
     "megatron": {"rollout", *ABOVE_ENGINES},
     "rollout": {"megatron", *ABOVE_ENGINES},
