@@ -42,9 +42,9 @@ from megarl.algo import (
     KLController,
     apply_kl_in_reward,
     compute_advantages,
+    compute_rollout_correction,
     make_kl_controller,
     outcome_to_token_rewards,
-    compute_rollout_correction,
     rollout_probs_diff_metrics,
     router_agreement,
 )

@@ -116,7 +116,7 @@ def test_train_on_computes_old_and_ref_log_probs_before_the_advantages(monkeypat
     assert trainer.kl_ctrl.value == pytest.approx(0.5 * (1 + error * 8 / 16))
 
 
-def test_the_adaptive_coefficient_survives_a_checkpoint() -> None:
+def test_the_adaptive_coefficient_survives_a_checkpoint(tmp_path) -> None:
     saved: dict[str, Any] = {}
 
     def save(method: str, path: str, step: int, extra: dict, keep: int) -> Any:
@@ -129,14 +129,15 @@ def test_the_adaptive_coefficient_survives_a_checkpoint() -> None:
             execute_all=lambda name, path: [{"extra": saved, "step": 3, "path": path}])
         return SimpleNamespace(critic=None, actor=actor, weight_sync=lambda version: {})
 
-    first = trainer_with(*KL_ON, "algorithm.kl_ctrl.type=adaptive", "trainer.output_dir=/tmp/x")
+    first = trainer_with(*KL_ON, "algorithm.kl_ctrl.type=adaptive",
+                         f"trainer.output_dir={tmp_path}")
     first.kl_ctrl.value = 0.123
     first.workers, first.steps_done = fake_workers(), 3
     first.scheduler = SimpleNamespace(checkpoint_state=lambda: {"loader": {}, "unsynced": False})
-    first.health = SimpleNamespace(state_dict=lambda: {})
+    first.health = SimpleNamespace(state_dict=dict)
     save_run_checkpoint(first)
     second = trainer_with(*KL_ON, "algorithm.kl_ctrl.type=adaptive", "trainer.resume=/ckpt",
-                          "trainer.output_dir=/tmp/x")
+                          f"trainer.output_dir={tmp_path}")
     second.workers = fake_workers()
     second.loader = SimpleNamespace(load_state_dict=lambda state: None)
     second.health = SimpleNamespace(load_state_dict=lambda state: None)
