@@ -6,9 +6,11 @@ One step (``colocate_sync``), read top to bottom in :meth:`Trainer.step`:
 2. generate ``rollout.n`` responses per prompt on the rollout engines (token ids, the engine's
    log-probs, the ``weight_version`` of every sample);
 3. score them (batched reward manager);
-4. compute advantages on the driver (``megarl.algo``);
-5. recompute old log-probs on the actor (and reference log-probs when a KL term needs them);
+4. recompute old log-probs on the actor (and reference log-probs when a KL term needs them);
    compare with the engine's log-probs; rollout correction when configured;
+5. compute advantages on the driver (``megarl.algo``) from token-level rewards: the score on
+   the last response token, minus beta x KL(old || ref) per token with
+   ``algorithm.use_kl_in_reward``;
 6. update the actor: ``ppo_epochs`` x mini-batches, each split over the data-parallel ranks;
 7. stream the new weights to every engine; ``weight_version += 1``;
 8. log metrics, run the health monitor.
@@ -37,8 +39,12 @@ from typing import Any
 import torch
 
 from megarl.algo import (
+    KLController,
+    apply_kl_in_reward,
     compute_advantages,
     compute_rollout_correction,
+    make_kl_controller,
+    outcome_to_token_rewards,
     rollout_probs_diff_metrics,
     router_agreement,
 )
@@ -83,6 +89,10 @@ NOT_BUILT = (
      ("bypass_mode makes the rollout log-probs the PPO anchor; IS weights / rejection against "
       "the current policy inside the loss are not built; set algorithm.rollout_correction."
       "rollout_is=null and rollout_rs=null, or bypass_mode=false")),
+    ("algorithm.kl_penalty", lambda c: c.algorithm.use_kl_in_reward
+     and c.algorithm.kl_penalty == "full",
+     ("the full-distribution KL needs the logits, which the trainer does not keep; use kl, abs, "
+      "mse or low_var_kl")),
     ("actor.router_replay.mode", lambda c: c.actor.router_replay.mode == "R2"
      and c.algorithm.rollout_correction.bypass_mode,
      ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "
@@ -101,6 +111,10 @@ class Trainer:
         self.weight_version = 0
         self.steps_done = 0
         self.workers: Workers | None = None
+        ctrl = cfg.algorithm.kl_ctrl  # the in-reward KL coefficient; None when that KL is off
+        self.kl_ctrl: KLController | None = make_kl_controller(
+            ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon) if (
+            cfg.algorithm.use_kl_in_reward) else None
 
     # ----- setup -----
     def setup(self) -> None:
@@ -274,8 +288,8 @@ class Trainer:
         self.on_driver(lambda: self.run(call(tags)))
 
     def train_on(self, batch: StepBatch, metrics: dict[str, float]) -> None:
-        """Steps 3-6 on generated samples: rewards (unless already scored), advantages, old
-        (and reference) log-probs, the actor update; their metrics go into ``metrics``. Every
+        """Steps 3-6 on generated samples: rewards (unless already scored), old (and reference)
+        log-probs, advantages, the actor update; their metrics go into ``metrics``. Every
         scheduler trains through this one method."""
         if batch.scores is None:
             with timer("reward", metrics):
@@ -284,13 +298,13 @@ class Trainer:
         if self.workers.critic is not None:
             with timer("values", metrics):
                 values = compute_values(self.workers.critic, batch)
-        with timer("adv", metrics):
-            targets = self.compute_advantages(batch, values)
         with timer("old_log_prob", metrics):
             metrics.update(self.compute_old_log_probs(batch))
         if self.cfg.ref.enabled:
             with timer("ref", metrics):
                 batch.ref_log_probs = self.compute_log_probs(batch, use_ref=True)["log_probs"]
+        with timer("adv", metrics):  # after old/ref: the in-reward KL penalty needs both
+            targets = self.compute_advantages(batch, values, metrics)
         if targets is not None:
             with timer("update_critic", metrics):
                 metrics.update(update_critic(self.workers.critic, batch, targets, self.cfg))
@@ -368,23 +382,44 @@ class Trainer:
         batch.scores = torch.tensor(result.scores, dtype=torch.float32)
         return dict(result.metrics)
 
-    def compute_advantages(self, batch: StepBatch,
-                           values: list[list[float]] | None = None) -> CriticTargets | None:
-        """Advantages per response token (the estimator of ``algorithm.adv_estimator``); with
-        gae, from the critic's ``values``, returning the critic's targets."""
+    def token_level_rewards(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """``[B, T]`` rewards: each sample's score on its last response token, minus beta x the
+        per-token KL of the old to the reference log-probs when ``algorithm.use_kl_in_reward``
+        is on (then with ``actor/reward_kl_penalty{,_coeff}``; the controller steps once)."""
+        if batch.scores is None:
+            raise ValueError("token_level_rewards: the batch has no scores; score it first")
+        mask = batch.response_mask()
+        scores = outcome_to_token_rewards(batch.scores, mask)
+        if self.kl_ctrl is None:
+            return scores, {}
+        if not batch.old_log_probs or batch.ref_log_probs is None:
+            raise ValueError("algorithm.use_kl_in_reward: the old and reference log-probs must "
+                             "be computed before the advantages")
+        return apply_kl_in_reward(scores, batch.padded(batch.old_log_probs),
+                                  batch.padded(batch.ref_log_probs), mask, self.kl_ctrl,
+                                  self.cfg.algorithm.kl_penalty)
+
+    def compute_advantages(self, batch: StepBatch, values: list[list[float]] | None = None,
+                           metrics: dict[str, float] | None = None) -> CriticTargets | None:
+        """Advantages per response token (the estimator of ``algorithm.adv_estimator``) from the
+        token-level rewards (grpo/rloo: their sum per sample); with gae, from the critic's
+        ``values``, returning the critic's targets. The KL metrics go into ``metrics``."""
         alg = self.cfg.algorithm
+        if alg.adv_estimator not in ("grpo", "rloo", "gae"):
+            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r} is not run by this "
+                             "trainer yet; use grpo, rloo or gae")
+        rewards, kl_metrics = self.token_level_rewards(batch)
+        if metrics is not None:
+            metrics.update(kl_metrics)
         if alg.adv_estimator == "gae":
             if values is None:
                 raise ValueError("algorithm.adv_estimator=gae needs the critic's values; set "
                                  "critic.enabled=true (or leave it null)")
             batch.advantages, targets = gae_advantages_of(batch, values, gamma=alg.gamma,
-                                                          lam=alg.lam)
+                                                          lam=alg.lam, token_level_rewards=rewards)
             return targets
-        if alg.adv_estimator not in ("grpo", "rloo"):
-            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r} needs token-level "
-                             "rewards, which this trainer does not run yet; use grpo, rloo or "
-                             "gae")
-        inputs: dict[str, Any] = {"scores": batch.scores, "response_mask": batch.response_mask(),
+        mask = batch.response_mask()
+        inputs: dict[str, Any] = {"scores": (rewards * mask).sum(dim=-1), "response_mask": mask,
                                   "index": batch.group_index()}
         if alg.adv_estimator == "grpo":
             inputs["norm_adv_by_std_in_grpo"] = alg.norm_adv_by_std_in_grpo

@@ -6,7 +6,8 @@ LR schedule, RNG states of every rank; written under a temporary name and publis
 with the ``latest`` pointer updated last, older ones rotated by ``trainer.keep_last``). The
 critic (with gae) is saved the same way under ``checkpoints/critic/``, before the actor. The
 trainer's own state rides along in it: the prompt loader's position, the step, the engines'
-``weight_version``, the health monitor's history and the resolved config.
+``weight_version``, the health monitor's history, the in-reward KL coefficient (the adaptive
+controller's beta) and the resolved config.
 
 What is re-generated on resume: nothing is in flight at a colocate_sync checkpoint (it is taken
 after a step's weights were synced), so the resumed run starts the next step from the saved
@@ -54,6 +55,7 @@ def save_run_checkpoint(trainer: Trainer) -> str:
         "unsynced": state["unsynced"],
         "weight_version": trainer.weight_version,
         "health": trainer.health.state_dict(),
+        "kl_ctrl": None if trainer.kl_ctrl is None else trainer.kl_ctrl.state_dict(),
         "config": render_config(trainer.cfg, trainer.sources),
     }
     step, keep_last = trainer.steps_done, trainer.cfg.trainer.keep_last
@@ -94,6 +96,8 @@ def resume_run(trainer: Trainer) -> int | None:
         trainer.workers.critic.group.execute_all("load_checkpoint", str(critic_path))
     trainer.loader.load_state_dict(extra["loader"])
     trainer.health.load_state_dict(extra["health"])
+    if trainer.kl_ctrl is not None and extra.get("kl_ctrl"):
+        trainer.kl_ctrl.load_state_dict(extra["kl_ctrl"])
     trainer.steps_done = int(info["step"])
     # the actor may be one update ahead of the engines (one_step_off, fully_async): the push
     # below is then that update's

@@ -129,14 +129,18 @@ def compute_values(critic: CriticWorkers, batch: StepBatch) -> list[list[float]]
 
 
 def gae_advantages_of(batch: StepBatch, values: list[list[float]], *, gamma: float,
-                      lam: float) -> tuple[torch.Tensor, CriticTargets]:
-    """GAE on the batch's scores (each on its sample's last response token) and the critic's
-    ``values``; returns the whitened advantages ``[B, T]`` and the critic's targets."""
-    if batch.scores is None:
-        raise ValueError("gae_advantages_of: the batch has no scores; score it first")
+                      lam: float, token_level_rewards: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, CriticTargets]:
+    """GAE on ``token_level_rewards`` ``[B, T]`` (default: the batch's scores, each on its
+    sample's last response token) and the critic's ``values``; returns the whitened advantages
+    ``[B, T]`` and the critic's targets."""
     mask = batch.response_mask()
     padded = batch.padded(values)
-    rewards = outcome_to_token_rewards(batch.scores, mask)
+    rewards = token_level_rewards
+    if rewards is None:
+        if batch.scores is None:
+            raise ValueError("gae_advantages_of: the batch has no scores; score it first")
+        rewards = outcome_to_token_rewards(batch.scores, mask)
     advantages, returns = gae_advantages(rewards, padded, mask, gamma=gamma, lam=lam)
     return advantages, CriticTargets(values=padded, returns=returns)
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config import RunConfig
-from megarl.config.derived import weight_sync_backend
+from megarl.config.derived import derive_sizes, weight_sync_backend
+from megarl.config.model_info import ModelInfoError, load_model_info
 from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
@@ -91,10 +92,22 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      ref_param_offload=cfg.ref.offload.param_offload)
 
 
+def engine_max_num_seqs(cfg: RunConfig) -> int | None:
+    """``rollout.max_num_seqs`` as each engine gets it: the number set, or for ``auto`` the one
+    ``megarl config show`` derives (None only when it cannot be derived)."""
+    if cfg.rollout.max_num_seqs != "auto":
+        return int(cfg.rollout.max_num_seqs)
+    try:
+        model = load_model_info(cfg.model.path)
+    except ModelInfoError:
+        model = None
+    return derive_sizes(cfg, model).max_num_seqs
+
+
 def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
     """The RolloutServerWorker's settings from the config."""
     r = cfg.rollout
-    max_seqs = None if r.max_num_seqs == "auto" else int(r.max_num_seqs)
+    max_seqs = engine_max_num_seqs(cfg)
     return EngineSpec(model_path=cfg.model.path, backend=r.backend, host=r.host,
                       dtype=r.dtype or cfg.model.dtype, max_running_requests=max_seqs,
                       seed=cfg.trainer.seed, log_dir=str(log_dir),

@@ -18,6 +18,14 @@ from megarl.algo.advantages import (
 from megarl.algo.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_counts
 from megarl.algo.entropy import entropy_from_logits
 from megarl.algo.kl import KL_ESTIMATORS, kl_penalty
+from megarl.algo.kl_reward import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    apply_kl_in_reward,
+    kl_in_reward,
+    make_kl_controller,
+)
 from megarl.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
 from megarl.algo.policy_loss import (
     POLICY_LOSSES,
@@ -37,6 +45,9 @@ from megarl.algo.rollout_correction import (
 )
 
 __all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
     "ADVANTAGE_ESTIMATORS",
     "IS_LEVELS",
     "KL_ESTIMATORS",
@@ -44,6 +55,7 @@ __all__ = [
     "POLICY_LOSSES",
     "RS_CRITERIA",
     "aggregate_loss",
+    "apply_kl_in_reward",
     "compute_advantages",
     "compute_rollout_correction",
     "discounted_returns",
@@ -53,8 +65,10 @@ __all__ = [
     "get_policy_loss",
     "grpo_advantages",
     "gspo_policy_loss",
+    "kl_in_reward",
     "kl_penalty",
     "loss_counts",
+    "make_kl_controller",
     "masked_mean",
     "masked_sum",
     "masked_var",

@@ -44,8 +44,9 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass")
     top_k: int = Field(-1, ge=-1, description="top-k sampling; -1 = off")
     max_num_seqs: int | Literal["auto"] = Field("auto", description=(
-        "concurrent sequences per engine (SGLang `max_running_requests`); auto = the sequences "
-        "each engine receives per step, capped by the KV cache that fits"))
+        "concurrent sequences per engine, passed to every engine as `--max-running-requests` "
+        "(SGLang `max_running_requests`); auto = the sequences each engine receives per step, "
+        "capped by the KV cache that fits (the number `megarl config show` prints)"))
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description=(
         "fraction of GPU memory an engine may use for weights + KV cache (SGLang "
         "`mem_fraction_static`)"))
@@ -82,8 +83,10 @@ class KLControlConfig(Section):
     """Coefficient controller of the in-reward KL penalty."""
 
     type: Literal["fixed", "adaptive"] = Field("fixed", description="fixed or adaptive coefficient")
-    kl_coef: float = Field(0.001, ge=0, description="(initial) KL penalty coefficient")
-    horizon: int = Field(10000, ge=1, description="adaptive controller horizon")
+    kl_coef: float = Field(0.001, ge=0, description="(initial) KL penalty coefficient beta")
+    horizon: int = Field(10000, ge=1, description=(
+        "adaptive controller horizon: each step beta *= 1 + clip(kl / target_kl - 1, -0.2, 0.2)"
+        " x sequences / horizon (verl's AdaptiveKLController); beta is saved in checkpoints"))
     target_kl: float = Field(0.1, gt=0, description="adaptive controller target KL")
 
 
@@ -125,8 +128,11 @@ class AlgorithmConfig(Section):
     gamma: float = Field(1.0, ge=0, le=1, description="discount factor (gae, reinforce++)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
     use_kl_in_reward: bool = Field(False, description=(
-        "subtract a KL penalty from the reward; turns the reference model on"))
-    kl_penalty: KLType = Field("kl", description="KL estimator of the in-reward penalty")
+        "subtract beta x KL(old || ref) per response token from the reward (the score sits on "
+        "the last token; grpo/rloo use the sum per response, gae the tokens); turns the "
+        "reference model on; logs `actor/reward_kl_penalty` and `actor/reward_kl_penalty_coeff`"))
+    kl_penalty: KLType = Field("kl", description=(
+        "KL estimator of the in-reward penalty (`full` is refused: it needs the logits)"))
     kl_ctrl: KLControlConfig = Field(default_factory=KLControlConfig, description=(
         "in-reward KL coefficient controller"))
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description=(

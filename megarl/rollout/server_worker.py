@@ -32,6 +32,8 @@ class EngineSpec:
     host: str = "127.0.0.1"
     dtype: str = "auto"
     max_running_requests: int | None = None
+    """Sequences the engine runs at once (``rollout.max_num_seqs``, ``auto`` resolved); None
+    leaves the engine's default."""
     seed: int | None = 0
     """Run seed: engines start with it and with ``--enable-deterministic-inference`` so that
     ``sampling_seed`` is honoured (samples reproducible); None leaves sampling unseeded."""
@@ -46,6 +48,29 @@ class EngineSpec:
     """Key the server requires on every endpoint (``rollout.api_key``); never printed."""
 
 
+def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> list[str]:
+    """The argv that starts the engine of ``rank`` (the embedded server or SGLang's)."""
+    if spec.backend == "local":
+        extra = ["--dtype", spec.dtype]
+        if spec.max_running_requests:
+            extra += ["--max-running-requests", str(spec.max_running_requests)]
+        seed = None if spec.seed is None else spec.seed + rank
+        return build_local_command(spec.model_path, host=spec.host, port=port,
+                                   device="cuda" if device == "cuda" else "cpu",
+                                   num_threads=spec.num_threads, seed=seed, extra_args=extra)
+    from megarl.rollout.sglang.launcher import SGLangLaunchConfig, build_sglang_command
+
+    launch = SGLangLaunchConfig(
+        model_path=spec.model_path, host=spec.host, port=port, tp_size=spec.gpus_per_engine,
+        mem_fraction_static=spec.mem_fraction, enable_memory_saver=spec.colocated,
+        enable_return_routed_experts=spec.return_routed_experts,
+        enable_deterministic_inference=spec.seed is not None, random_seed=spec.seed,
+        dtype=None if spec.dtype == "auto" else spec.dtype,
+        max_running_requests=spec.max_running_requests)
+    argv = build_sglang_command(launch) + list(spec.sglang_args)
+    return argv + ["--api-key", spec.api_key] if spec.api_key else argv
+
+
 class RolloutServerWorker(Worker):
     """Starts and supervises the HTTP server of one rollout engine."""
 
@@ -56,29 +81,11 @@ class RolloutServerWorker(Worker):
         host = spec.host if spec.host != "0.0.0.0" else host_ip()
         port = free_port(spec.host)
         log = Path(spec.log_dir) / f"rollout_engine{self.rank}.log"
+        argv = engine_command(spec, rank=self.rank, port=port, device=self.info.device)
         if spec.backend == "local":
-            extra = ["--dtype", spec.dtype]
-            if spec.max_running_requests:
-                extra += ["--max-running-requests", str(spec.max_running_requests)]
-            device = "cuda" if self.info.device == "cuda" else "cpu"
-            seed = None if spec.seed is None else spec.seed + self.rank
-            argv = build_local_command(spec.model_path, host=spec.host, port=port, device=device,
-                                       num_threads=spec.num_threads, seed=seed, extra_args=extra)
             self.server = local_server(argv, f"http://{host}:{port}", name=f"engine[{self.rank}]",
                                        log_path=log, api_key=spec.api_key)
         else:
-            from megarl.rollout.sglang.launcher import SGLangLaunchConfig, build_sglang_command
-
-            launch = SGLangLaunchConfig(
-                model_path=spec.model_path, host=spec.host, port=port,
-                tp_size=spec.gpus_per_engine, mem_fraction_static=spec.mem_fraction,
-                enable_memory_saver=spec.colocated,
-                enable_return_routed_experts=spec.return_routed_experts,
-                enable_deterministic_inference=spec.seed is not None, random_seed=spec.seed,
-                dtype=None if spec.dtype == "auto" else spec.dtype)
-            argv = build_sglang_command(launch) + list(spec.sglang_args)
-            if spec.api_key:
-                argv += ["--api-key", spec.api_key]
             self.server = ManagedServer(argv, f"http://{host}:{port}",
                                         name=f"engine[{self.rank}]", log_path=log,
                                         api_key=spec.api_key)

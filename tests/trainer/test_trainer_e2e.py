@@ -94,6 +94,27 @@ def test_three_steps_sync_weights_and_report_every_metric(assets, tmp_path):
         trainer.close()
 
 
+def test_kl_in_reward_runs_with_the_reference_model(assets, tmp_path):
+    """``algorithm.use_kl_in_reward``: the reference forward runs before the advantages and
+    the penalty is logged; after the first update the policy has moved, so the KL is > 0."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    trainer = make_trainer(assets, tmp_path / "kl", "trainer.total_steps=2",
+                           "data.train_batch_size=4", "rollout.n=4",
+                           "actor.ppo_mini_batch_size=4", "algorithm.use_kl_in_reward=true",
+                           "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1")
+    try:
+        trainer.setup()
+        history = [trainer.step(trainer.loader.next_batch()) for _ in range(2)]
+    finally:
+        trainer.close()
+    assert trainer.cfg.ref.enabled
+    assert history[0]["actor/reward_kl_penalty_coeff"] == 0.1
+    assert history[1]["actor/reward_kl_penalty"] > 0
+    assert history[1]["actor/reward_kl_penalty_coeff"] != 0.1  # the adaptive controller moved
+    for metrics in history:
+        assert math.isfinite(metrics["actor/reward_kl_penalty"])
+
+
 def test_grpo_reward_climbs_on_the_demo_task(assets, tmp_path):
     """A shorter demo run (same config): the reward of the last 20% of steps clearly exceeds the
     first 20%'s (about 0.06 -> 0.30 in 30 steps; the demo's 50 reach about 0.6)."""
