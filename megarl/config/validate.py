@@ -433,7 +433,8 @@ def check_router_replay(ctx: Context) -> Iterator[Problem]:
 
 
 def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
-    """CUDA-graphed updates need a GPU, one pipeline stage and no router replay."""
+    """CUDA-graphed updates need a GPU, one pipeline stage, no router replay and no activation
+    recompute."""
     cfg = ctx.cfg
     actor = cfg.actor
     if not actor.cuda_graphs:
@@ -448,6 +449,11 @@ def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
                     "routes of each micro-batch outside the graph", "set actor.cuda_graphs=false "
                     "(or actor.router_replay.mode=disabled and "
                     "rollout.enable_return_routed_experts=false)")
+    if actor.recompute.granularity != "none":
+        yield error(("actor.cuda_graphs", "actor.recompute.granularity"), "megarl captures the "
+                    "update's forward and backward without activation recompute (its graphs "
+                    "would not hold the recomputing backward)", "set actor.cuda_graphs=false or "
+                    "actor.recompute.granularity=none")
     if cfg.resources.device == "cpu":
         yield warning(("actor.cuda_graphs", "resources.device"), "CUDA graphs need a GPU; the "
                       "update runs eagerly on the CPU", "set actor.cuda_graphs=false")

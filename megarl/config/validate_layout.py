@@ -171,15 +171,32 @@ def check_moe_tp_sequence_parallel(ctx: Context) -> Iterator[Problem]:
 
 
 def check_recompute_layers(ctx: Context) -> Iterator[Problem]:
-    """Full recompute units cannot be larger than the layers of one pipeline chunk."""
-    rc, p, model = ctx.cfg.actor.recompute, ctx.cfg.actor.parallel, ctx.model
-    if rc.granularity != "full" or model is None or model.num_layers % p.pp:
+    """Full recompute units must fit the layers of one pipeline chunk of the actor and of the
+    critic (which follows ``actor.recompute``): block recomputes at most a chunk's layers,
+    uniform cuts a chunk into whole units of ``num_layers``."""
+    cfg, rc, model = ctx.cfg, ctx.cfg.actor.recompute, ctx.model
+    if rc.granularity != "full" or model is None:
         return
-    per_chunk = model.num_layers // p.pp // (p.vpp or 1)
-    if rc.num_layers > per_chunk:
-        yield error("actor.recompute.num_layers", f"{rc.num_layers} layers per recompute unit, "
-                    f"but a pipeline chunk has {per_chunk}",
-                    f"use actor.recompute.num_layers={per_chunk}")
+    layouts = [("actor", cfg.actor.parallel)]
+    critic = cfg.critic
+    if critic.enabled and critic.model_path in (None, cfg.model.path) and (
+            critic.parallel not in (None, cfg.actor.parallel)):
+        layouts.append(("critic", critic.parallel))
+    for role, p in layouts:
+        if model.num_layers % (p.pp * (p.vpp or 1)):
+            continue  # check_layers_divisible_by_pp reports it
+        per_chunk = model.num_layers // p.pp // (p.vpp or 1)
+        where = "" if role == "actor" else f" (the {role}'s layout)"
+        if rc.method == "block" and rc.num_layers > per_chunk:
+            yield error(("actor.recompute.num_layers", f"{role}.parallel.pp"),
+                        f"block recompute of {rc.num_layers} layers, but a pipeline chunk"
+                        f"{where} has {per_chunk}", f"use actor.recompute.num_layers={per_chunk}")
+        elif rc.method == "uniform" and per_chunk % rc.num_layers:
+            fit = nearest_divisor(per_chunk, rc.num_layers)
+            yield error(("actor.recompute.num_layers", f"{role}.parallel.pp"),
+                        f"uniform recompute units of {rc.num_layers} layers do not divide the "
+                        f"{per_chunk} layers of a pipeline chunk{where}",
+                        f"use actor.recompute.num_layers={fit}")
 
 
 def check_context_parallel_sequence_length(ctx: Context) -> Iterator[Problem]:
