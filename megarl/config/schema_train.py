@@ -135,7 +135,8 @@ class ActorConfig(Section):
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description=(
         "host-memory offload between phases"))
     recompute: RecomputeConfig = Field(default_factory=RecomputeConfig, description=(
-        "activation recomputation"))
+        "activation recomputation of the actor, and of the critic, which follows it (the "
+        "reference model only runs forwards without gradients)"))
     router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig, description=(
         "MoE router replay"))
     cuda_graphs: bool = Field(False, description=(
