@@ -19,7 +19,7 @@ from typing import Any
 
 from megarl.config import RunConfig
 from megarl.config.derived import weight_sync_backend
-from megarl.megatron.model import RecomputeSettings
+from megarl.megatron.model import recompute_settings
 from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
@@ -90,7 +90,7 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens,
                      offload=OffloadSettings(**a.offload.model_dump()),
                      ref_param_offload=cfg.ref.offload.param_offload,
-                     recompute=RecomputeSettings(**a.recompute.model_dump()))
+                     recompute=recompute_settings(a.recompute))
 
 
 def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:

@@ -507,6 +507,8 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
         ("actor.kl_loss_type", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
         ("actor.recompute.method", full_rc, "set actor.recompute.granularity=full"),
         ("actor.recompute.num_layers", full_rc, "set actor.recompute.granularity=full"),
+        ("actor.recompute.modules", cfg.actor.recompute.granularity != "selective",
+         "set actor.recompute.granularity=selective"),
         ("algorithm.kl_ctrl", not alg.use_kl_in_reward, "set algorithm.use_kl_in_reward=true"),
         ("algorithm.kl_penalty", not alg.use_kl_in_reward, "set algorithm.use_kl_in_reward=true"),
         ("algorithm.lam", alg.adv_estimator != "gae", "set algorithm.adv_estimator=gae"),

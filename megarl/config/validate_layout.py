@@ -199,6 +199,24 @@ def check_recompute_layers(ctx: Context) -> Iterator[Problem]:
                         f"use actor.recompute.num_layers={fit}")
 
 
+def check_recompute_modules(ctx: Context) -> Iterator[Problem]:
+    """Selective recompute must name modules the model has: megatron skips the others."""
+    rc, model = ctx.cfg.actor.recompute, ctx.model
+    if rc.granularity != "selective":
+        return
+    if not rc.modules:
+        yield error("actor.recompute.modules", "selective recompute of no module recomputes "
+                    "nothing", "set actor.recompute.granularity=none or name modules")
+    if model is None:
+        return
+    if "moe" in rc.modules and not model.is_moe:
+        yield error("actor.recompute.modules", "moe: the model has no MoE layers",
+                    "remove moe from actor.recompute.modules (use mlp)")
+    if "mlp" in rc.modules and model.is_moe and not model.dense_layers:
+        yield error("actor.recompute.modules", "mlp: every layer of the model is a MoE layer",
+                    "use moe in actor.recompute.modules instead of mlp")
+
+
 def check_context_parallel_sequence_length(ctx: Context) -> Iterator[Problem]:
     """With cp > 1 every sequence is cut into 2 x cp chunks: the longest must divide evenly."""
     data = ctx.cfg.data
@@ -329,6 +347,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     check_layout_fills_train_pool, check_expert_layout, check_experts_divisible_by_ep,
     check_heads_divisible_by_tp, check_kv_heads_vs_tp, check_ffn_divisible,
     check_layers_divisible_by_pp, check_moe_tp_sequence_parallel, check_recompute_layers,
+    check_recompute_modules,
     check_context_parallel_sequence_length, check_vocab_and_tokenizer,
     check_sequence_fits_positions, check_engines_fill_rollout_pool, check_engine_heads,
     check_engine_memory, check_engine_concurrency,

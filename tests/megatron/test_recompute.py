@@ -11,7 +11,8 @@ from megarl.megatron.model import RecomputeSettings
 from megarl.megatron.parallel import ParallelSizes
 
 FULL = RecomputeSettings(granularity="full", method="uniform", num_layers=1)
-SELECTIVE = RecomputeSettings(granularity="selective")
+SELECTIVE = RecomputeSettings(granularity="selective", modules=("core_attn", "mlp"))
+MOE = RecomputeSettings(granularity="selective", modules=("moe",))
 
 
 def _batch() -> list[dict]:
@@ -25,6 +26,15 @@ def _batch() -> list[dict]:
                       "old_log_probs": -5.0 + 0.1 * torch.randn(n, generator=g),
                       "advantages": torch.randn(n, generator=g)})
     return batch
+
+
+def assert_same_grads(ours: dict, theirs: dict) -> None:
+    """Equal to 1e-6 of each gradient's scale (the reentrant recompute's own backward sums the
+    residual stream's gradients in another order: ~4e-7 relative on the embedding)."""
+    assert ours.keys() == theirs.keys()
+    for name, grad in theirs.items():
+        diff = (ours[name] - grad).abs().max().item()
+        assert diff <= 1e-6 * max(1.0, grad.abs().max().item()), (name, diff)
 
 
 def grads_on_rank(model_dir: str, sizes: ParallelSizes, recompute: RecomputeSettings) -> dict:
@@ -74,20 +84,20 @@ def saved_bytes_on_rank(model_dir: str, recompute: RecomputeSettings) -> int:
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("recompute", [FULL, SELECTIVE], ids=["full", "selective"])
-def test_recompute_reaches_config_and_keeps_gradients(pool1, tiny_models, recompute):
-    model_dir = tiny_models["qwen3_4layers"]
+@pytest.mark.parametrize("model,recompute", [("qwen3_4layers", FULL),
+                                             ("qwen3_4layers", SELECTIVE), ("qwen3_moe", MOE)],
+                         ids=["full", "selective", "moe"])
+def test_recompute_reaches_config_and_keeps_gradients(pool1, tiny_models, model, recompute):
+    model_dir = tiny_models[model]
     (plain,) = pool1.run(grads_on_rank, model_dir, ParallelSizes(), RecomputeSettings())
     (rc,) = pool1.run(grads_on_rank, model_dir, ParallelSizes(), recompute)
     assert plain["config"][0] is None
     if recompute.granularity == "full":
         assert rc["config"] == ("full", "uniform", 1, ["core_attn"], "full")
     else:
-        assert rc["config"] == ("selective", None, None, ["core_attn"], "selective")
-    assert plain["grads"].keys() == rc["grads"].keys()
-    for name, grad in plain["grads"].items():
-        assert grad.abs().sum() > 0 or "bias" in name, name
-        torch.testing.assert_close(rc["grads"][name], grad, atol=1e-6, rtol=0, msg=name)
+        assert rc["config"] == ("selective", None, None, list(recompute.modules), "selective")
+    assert_same_grads(rc["grads"], plain["grads"])
+    assert any(g.abs().sum() > 0 for g in plain["grads"].values())
 
 
 def test_full_recompute_keeps_gradients_under_tp2(pool2, tiny_models):
@@ -97,8 +107,7 @@ def test_full_recompute_keeps_gradients_under_tp2(pool2, tiny_models):
     rc = pool2.run(grads_on_rank, model_dir, sizes,
                    RecomputeSettings(granularity="full", method="block", num_layers=2))
     for ours, theirs in zip(rc, plain, strict=True):
-        for name, grad in theirs["grads"].items():
-            torch.testing.assert_close(ours["grads"][name], grad, atol=1e-6, rtol=0, msg=name)
+        assert_same_grads(ours["grads"], theirs["grads"])
 
 
 def test_full_recompute_saves_fewer_activations(pool1, tiny_models):
@@ -107,4 +116,4 @@ def test_full_recompute_saves_fewer_activations(pool1, tiny_models):
     (full,) = pool1.run(saved_bytes_on_rank, model_dir, FULL)
     (selective,) = pool1.run(saved_bytes_on_rank, model_dir, SELECTIVE)
     assert full < 0.5 * plain, (full, plain)
-    assert selective < plain, (selective, plain)
+    assert selective < 0.8 * plain, (selective, plain)
