@@ -100,13 +100,15 @@ def test_recompute_reaches_config_and_keeps_gradients(pool1, tiny_models, model,
     assert any(g.abs().sum() > 0 for g in plain["grads"].values())
 
 
-def test_full_recompute_keeps_gradients_under_tp2(pool2, tiny_models):
+@pytest.mark.parametrize("sizes", [ParallelSizes(tp=2, sequence_parallel=True),
+                                   ParallelSizes(pp=2)], ids=["tp2", "pp2"])
+def test_full_block_recompute_keeps_gradients_over_two_ranks(pool2, tiny_models, sizes):
     model_dir = tiny_models["qwen3_4layers"]
-    sizes = ParallelSizes(tp=2, sequence_parallel=True)
     plain = pool2.run(grads_on_rank, model_dir, sizes, RecomputeSettings())
     rc = pool2.run(grads_on_rank, model_dir, sizes,
                    RecomputeSettings(granularity="full", method="block", num_layers=2))
     for ours, theirs in zip(rc, plain, strict=True):
+        assert ours["config"][:3] == ("full", "block", 2)
         assert_same_grads(ours["grads"], theirs["grads"])
 
 
@@ -117,3 +119,18 @@ def test_full_recompute_saves_fewer_activations(pool1, tiny_models):
     (selective,) = pool1.run(saved_bytes_on_rank, model_dir, SELECTIVE)
     assert full < 0.5 * plain, (full, plain)
     assert selective < 0.8 * plain, (selective, plain)
+
+
+def critic_config_on_rank(model_dir: str) -> tuple:
+    """Run on one rank: the recompute fields of the built critic's chunk config."""
+    from megarl.megatron.critic import build_critic_model
+
+    model = build_critic_model(model_dir, ParallelSizes(), torch.float32, spec="native",
+                               recompute=FULL)
+    cfg = model.chunks[0].config
+    return cfg.recompute_granularity, cfg.recompute_method, cfg.recompute_num_layers
+
+
+def test_critic_build_receives_recompute(pool1, tiny_models):
+    (got,) = pool1.run(critic_config_on_rank, tiny_models["qwen3"])
+    assert got == ("full", "uniform", 1)
