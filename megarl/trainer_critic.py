@@ -25,6 +25,7 @@ from megarl.batch import StepBatch, even_shares
 from megarl.config import RunConfig
 from megarl.megatron.critic import ValueLossSettings
 from megarl.megatron.critic_worker import CriticSpec, CriticWorker
+from megarl.megatron.model import recompute_settings
 from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
 from megarl.metrics.timing import reduce_metrics
@@ -85,7 +86,8 @@ def critic_spec(cfg: RunConfig) -> CriticSpec:
         model_path=c.model_path or cfg.model.path, dtype=cfg.model.dtype, sizes=sizes,
         optim=optim,
         loss=ValueLossSettings(cliprange_value=c.cliprange_value, loss_agg_mode=a.loss_agg_mode),
-        max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed)
+        max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
+        recompute=recompute_settings(a.recompute))
 
 
 def start_critic(cfg: RunConfig, *, pool: Any = None, log_dir: Path | None = None,

@@ -20,6 +20,7 @@ from typing import Any
 from megarl.config import RunConfig
 from megarl.config.derived import derive_sizes, weight_sync_backend
 from megarl.config.model_info import ModelInfoError, load_model_info
+from megarl.megatron.model import recompute_settings
 from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
@@ -89,7 +90,8 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      cuda_graphs=a.cuda_graphs,
                      cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens,
                      offload=OffloadSettings(**a.offload.model_dump()),
-                     ref_param_offload=cfg.ref.offload.param_offload)
+                     ref_param_offload=cfg.ref.offload.param_offload,
+                     recompute=recompute_settings(a.recompute))
 
 
 def engine_max_num_seqs(cfg: RunConfig) -> int | None:

@@ -25,7 +25,8 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   dynamic token budget, over cp. Full recompute keeps the input of each unit of
   ``recompute.num_layers`` layers (h/s per token) plus one unit's activations during its backward
   (block: only the first num_layers layers of a stage are recomputed); selective recompute is
-  counted as none (it drops the s^2 attention scores, which flash attention never stores).
+  counted as none (core_attn drops the s^2 attention scores, which flash attention never
+  stores; the mlp/moe modules would lower the figure, which is then an upper bound).
   With 1F1B, stage i holds min(pp - i, micro-batches) micro-batches in flight, x (1 + (pp - 1) /
   (pp x vpp)) when interleaved. Logits on the last stage: tokens x padded vocab / t x
   (bytes(model.dtype) + 4 for the fp32 softmax the log-prob backward keeps).

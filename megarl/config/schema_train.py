@@ -76,11 +76,16 @@ class RecomputeConfig(Section):
     """Activation recomputation of the Megatron model (trades compute for memory)."""
 
     granularity: Literal["none", "selective", "full"] = Field("none", description=(
-        "none, selective (attention core only) or full (whole layers)"))
+        "none, selective (the submodules in `modules`) or full (whole layers)"))
     method: Literal["uniform", "block"] = Field("uniform", description=(
         "full recompute only: uniform = every `num_layers` layers as one unit; block = the "
         "first `num_layers` layers of each pipeline stage"))
     num_layers: int = Field(1, ge=1, description="full recompute only: layers per unit / block")
+    modules: list[Literal["core_attn", "mlp", "moe"]] = Field(
+        default_factory=lambda: ["core_attn"], description=(
+            "selective recompute only: core_attn = the attention core (with the fused/SDPA "
+            "attention of both specs it keeps little beyond q, k, v), mlp = the dense MLPs, "
+            "moe = the MoE layers (megatron's `recompute_modules`)"))
 
 
 class RouterReplayConfig(Section):
@@ -135,7 +140,8 @@ class ActorConfig(Section):
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description=(
         "host-memory offload between phases"))
     recompute: RecomputeConfig = Field(default_factory=RecomputeConfig, description=(
-        "activation recomputation"))
+        "activation recomputation of the actor, and of the critic, which follows it (the "
+        "reference model only runs forwards without gradients)"))
     router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig, description=(
         "MoE router replay"))
     cuda_graphs: bool = Field(False, description=(

@@ -433,7 +433,8 @@ def check_router_replay(ctx: Context) -> Iterator[Problem]:
 
 
 def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
-    """CUDA-graphed updates need a GPU, one pipeline stage and no router replay."""
+    """CUDA-graphed updates need a GPU, one pipeline stage, no router replay and no activation
+    recompute."""
     cfg = ctx.cfg
     actor = cfg.actor
     if not actor.cuda_graphs:
@@ -448,6 +449,11 @@ def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
                     "routes of each micro-batch outside the graph", "set actor.cuda_graphs=false "
                     "(or actor.router_replay.mode=disabled and "
                     "rollout.enable_return_routed_experts=false)")
+    if actor.recompute.granularity != "none":
+        yield error(("actor.cuda_graphs", "actor.recompute.granularity"), "megarl captures the "
+                    "update's forward and backward without activation recompute (its graphs "
+                    "would not hold the recomputing backward)", "set actor.cuda_graphs=false or "
+                    "actor.recompute.granularity=none")
     if cfg.resources.device == "cpu":
         yield warning(("actor.cuda_graphs", "resources.device"), "CUDA graphs need a GPU; the "
                       "update runs eagerly on the CPU", "set actor.cuda_graphs=false")
@@ -501,6 +507,8 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
         ("actor.kl_loss_type", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
         ("actor.recompute.method", full_rc, "set actor.recompute.granularity=full"),
         ("actor.recompute.num_layers", full_rc, "set actor.recompute.granularity=full"),
+        ("actor.recompute.modules", cfg.actor.recompute.granularity != "selective",
+         "set actor.recompute.granularity=selective"),
         ("algorithm.kl_ctrl", not alg.use_kl_in_reward, "set algorithm.use_kl_in_reward=true"),
         ("algorithm.kl_penalty", not alg.use_kl_in_reward, "set algorithm.use_kl_in_reward=true"),
         ("algorithm.lam", alg.adv_estimator != "gae", "set algorithm.adv_estimator=gae"),

@@ -171,15 +171,50 @@ def check_moe_tp_sequence_parallel(ctx: Context) -> Iterator[Problem]:
 
 
 def check_recompute_layers(ctx: Context) -> Iterator[Problem]:
-    """Full recompute units cannot be larger than the layers of one pipeline chunk."""
-    rc, p, model = ctx.cfg.actor.recompute, ctx.cfg.actor.parallel, ctx.model
-    if rc.granularity != "full" or model is None or model.num_layers % p.pp:
+    """Full recompute units must fit the layers of one pipeline chunk of the actor and of the
+    critic (which follows ``actor.recompute``): block recomputes at most a chunk's layers,
+    uniform cuts a chunk into whole units of ``num_layers``."""
+    cfg, rc, model = ctx.cfg, ctx.cfg.actor.recompute, ctx.model
+    if rc.granularity != "full" or model is None:
         return
-    per_chunk = model.num_layers // p.pp // (p.vpp or 1)
-    if rc.num_layers > per_chunk:
-        yield error("actor.recompute.num_layers", f"{rc.num_layers} layers per recompute unit, "
-                    f"but a pipeline chunk has {per_chunk}",
-                    f"use actor.recompute.num_layers={per_chunk}")
+    layouts = [("actor", cfg.actor.parallel)]
+    critic = cfg.critic
+    if critic.enabled and critic.model_path in (None, cfg.model.path) and (
+            critic.parallel not in (None, cfg.actor.parallel)):
+        layouts.append(("critic", critic.parallel))
+    for role, p in layouts:
+        if model.num_layers % (p.pp * (p.vpp or 1)):
+            continue  # check_layers_divisible_by_pp reports it
+        per_chunk = model.num_layers // p.pp // (p.vpp or 1)
+        where = "" if role == "actor" else f" (the {role}'s layout)"
+        if rc.method == "block" and rc.num_layers > per_chunk:
+            yield error(("actor.recompute.num_layers", f"{role}.parallel.pp"),
+                        f"block recompute of {rc.num_layers} layers, but a pipeline chunk"
+                        f"{where} has {per_chunk}", f"use actor.recompute.num_layers={per_chunk}")
+        elif rc.method == "uniform" and per_chunk % rc.num_layers:
+            fit = nearest_divisor(per_chunk, rc.num_layers)
+            yield error(("actor.recompute.num_layers", f"{role}.parallel.pp"),
+                        f"uniform recompute units of {rc.num_layers} layers do not divide the "
+                        f"{per_chunk} layers of a pipeline chunk{where}",
+                        f"use actor.recompute.num_layers={fit}")
+
+
+def check_recompute_modules(ctx: Context) -> Iterator[Problem]:
+    """Selective recompute must name modules the model has: megatron skips the others."""
+    rc, model = ctx.cfg.actor.recompute, ctx.model
+    if rc.granularity != "selective":
+        return
+    if not rc.modules:
+        yield error("actor.recompute.modules", "selective recompute of no module recomputes "
+                    "nothing", "set actor.recompute.granularity=none or name modules")
+    if model is None:
+        return
+    if "moe" in rc.modules and not model.is_moe:
+        yield error("actor.recompute.modules", "moe: the model has no MoE layers",
+                    "remove moe from actor.recompute.modules (use mlp)")
+    if "mlp" in rc.modules and model.is_moe and not model.dense_layers:
+        yield error("actor.recompute.modules", "mlp: every layer of the model is a MoE layer",
+                    "use moe in actor.recompute.modules instead of mlp")
 
 
 def check_context_parallel_sequence_length(ctx: Context) -> Iterator[Problem]:
@@ -312,6 +347,7 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     check_layout_fills_train_pool, check_expert_layout, check_experts_divisible_by_ep,
     check_heads_divisible_by_tp, check_kv_heads_vs_tp, check_ffn_divisible,
     check_layers_divisible_by_pp, check_moe_tp_sequence_parallel, check_recompute_layers,
+    check_recompute_modules,
     check_context_parallel_sequence_length, check_vocab_and_tokenizer,
     check_sequence_fits_positions, check_engines_fill_rollout_pool, check_engine_heads,
     check_engine_memory, check_engine_concurrency,

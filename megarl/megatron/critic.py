@@ -37,7 +37,7 @@ from megarl.algo.aggregation import loss_counts
 from megarl.algo.value_loss import value_loss
 from megarl.megatron import cpu_compat
 from megarl.megatron.logprobs import gpt_forward, make_micro_batches
-from megarl.megatron.model import ActorModel, SpecChoice, build_actor_model
+from megarl.megatron.model import ActorModel, RecomputeSettings, SpecChoice, build_actor_model
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.packing import PackedBatch
 from megarl.megatron.parallel import ParallelSizes
@@ -85,10 +85,13 @@ def build_critic_model(
     *,
     spec: SpecChoice = "auto",
     seed: int = 1234,
+    recompute: RecomputeSettings | None = None,
 ) -> ActorModel:
     """This rank's critic chunks: the HF model's body (weights loaded) under ``sizes``, with a
     :class:`ValueHead` (seeded by ``seed``) on the last pipeline stage."""
-    model = build_actor_model(hf_path, sizes, dtype, spec=spec, load_weights=True, seed=seed)
+    overrides = recompute.config_overrides() if recompute is not None else None
+    model = build_actor_model(hf_path, sizes, dtype, spec=spec, load_weights=True, seed=seed,
+                              config_overrides=overrides)
     for chunk in model.chunks:
         # the embedding is the body's own; finalize_model_grads must not tie it to the head
         chunk.share_embeddings_and_output_weights = False

@@ -9,7 +9,7 @@ plain Python lists; the trainer gives every rank of one data-parallel group the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ from megarl.megatron.critic import (
     compute_values,
     critic_train_step,
 )
+from megarl.megatron.model import RecomputeSettings
 from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
 from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.worker import DTYPES
@@ -47,6 +48,8 @@ class CriticSpec:
     """Token budget of one packed micro-batch (None: one micro-batch per call)."""
     seed: int
     """Seed of the megatron RNGs and of the value head's initial weights."""
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
+    """Activation recomputation (``actor.recompute``, which the critic follows)."""
 
 
 def _first_of_group() -> bool:
@@ -64,7 +67,7 @@ class CriticWorker(Worker):
         torch.manual_seed(spec.seed)
         self.spec = spec
         model = build_critic_model(spec.model_path, spec.sizes, DTYPES[spec.dtype],
-                                   seed=spec.seed)
+                                   seed=spec.seed, recompute=spec.recompute)
         self.critic = TrainableActor(model, spec.optim)
 
     def layout(self) -> dict[str, int]:

@@ -52,6 +52,8 @@ def graph_unsupported_reason(config: Any, pipeline_size: int, router_replay: boo
         return "dropout"
     if getattr(config, "context_parallel_size", 1) > 1:
         return "context parallelism"
+    if getattr(config, "recompute_granularity", None) is not None:
+        return "activation recompute (its backward re-runs the forward outside the graphs)"
     return None
 
 

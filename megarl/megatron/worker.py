@@ -24,7 +24,7 @@ from megarl.cluster.worker import Worker
 from megarl.megatron.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.logprobs import compute_log_probs
-from megarl.megatron.model import ActorModel, build_actor_model
+from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
 from megarl.megatron.offload import PARTS, OffloadSettings, StateOffloader
 from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
 from megarl.megatron.parallel import ParallelSizes
@@ -66,6 +66,9 @@ class ActorSpec:
     :meth:`ActorWorker.offload`, each phase brings back what it needs."""
     ref_param_offload: bool = False
     """Keep the reference model in host memory between its forwards (``ref.offload``)."""
+    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
+    """Activation recomputation of the actor (``actor.recompute``); the reference model only
+    runs forwards without gradients and keeps no activations to recompute."""
 
 
 def _as_tensor(values: list[float] | None) -> torch.Tensor | None:
@@ -98,7 +101,8 @@ class ActorWorker(Worker):
         torch.manual_seed(spec.seed)
         self.spec = spec
         dtype = DTYPES[spec.dtype]
-        model = self._build_model(dtype, router_replay=spec.router_replay)
+        model = self._build_model(dtype, router_replay=spec.router_replay,
+                                  recompute=spec.recompute)
         self.actor = TrainableActor(model, spec.optim)
         self.graphed = self._graphed_chunk() if spec.cuda_graphs else None
         self.ref: ActorModel | None = None
@@ -141,14 +145,17 @@ class ActorWorker(Worker):
         peaks, self.memory_peaks = self.memory_peaks, {}
         return peaks
 
-    def _build_model(self, dtype: torch.dtype, router_replay: bool = False) -> ActorModel:
+    def _build_model(self, dtype: torch.dtype, router_replay: bool = False,
+                     recompute: RecomputeSettings | None = None) -> ActorModel:
         """This rank's model chunks with the first weights (HF safetensors or dist checkpoint);
-        with ``router_replay``, routers that can record and replay routes."""
+        with ``router_replay``, routers that can record and replay routes; with ``recompute``,
+        activation recomputation."""
         spec = self.spec
+        overrides = dict(ROUTER_REPLAY_OVERRIDES) if router_replay else {}
+        overrides.update(recompute.config_overrides() if recompute is not None else {})
         model = build_actor_model(spec.model_path, spec.sizes, dtype, seed=spec.seed,
                                   load_weights=spec.init_checkpoint is None,
-                                  config_overrides=ROUTER_REPLAY_OVERRIDES if router_replay
-                                  else None)
+                                  config_overrides=overrides)
         if spec.init_checkpoint is not None:
             load_model_weights(spec.init_checkpoint, model)
         return model

@@ -34,6 +34,22 @@ def test_spec_follows_the_critic_section_and_the_actor_defaults():
     assert spec.max_tokens_per_micro_batch == 2 * (20 + 10)
 
 
+def test_actor_and_critic_specs_carry_recompute():
+    from megarl.trainer_setup import actor_spec
+
+    cfg, _ = load_config(str(DEMO_CONFIG), BASE + [
+        "actor.recompute.granularity=full", "actor.recompute.method=block",
+        "actor.recompute.num_layers=2"])
+    wanted = {"recompute_granularity": "full", "recompute_method": "block",
+              "recompute_num_layers": 2}
+    assert critic_spec(cfg).recompute.config_overrides() == wanted
+    assert actor_spec(cfg).recompute.config_overrides() == wanted
+    cfg, _ = load_config(str(DEMO_CONFIG), BASE + [
+        "actor.recompute.granularity=selective", "actor.recompute.modules=[moe]"])
+    assert actor_spec(cfg).recompute.config_overrides() == {
+        "recompute_granularity": "selective", "recompute_modules": ["moe"]}
+
+
 def test_records_carry_full_length_values_and_returns():
     batch = make_batch([1.0, 0.0, 0.5, 1.0, 0.0, -1.0])
     mask = batch.response_mask()
