@@ -603,6 +603,15 @@ def load_run_config(path: str, overrides: list[str],
     return cfg, sources
 
 
+def startup_text(cfg: RunConfig) -> list[str]:
+    """The lines ``megarl train`` prints before it starts: the per-GPU memory estimate (T1)."""
+    from megarl.config.estimates import startup_estimates
+    from megarl.config.validate import build_context
+
+    ctx = build_context(cfg)
+    return [f"megarl: {line}" for line in startup_estimates(cfg, ctx.model, ctx.sizes)]
+
+
 def train_main(argv: list[str]) -> int:
     """``megarl train --config CONFIG [overrides]``; exit 2 on an invalid config."""
     args = _parse(argv)
@@ -611,6 +620,8 @@ def train_main(argv: list[str]) -> int:
     if loaded is None:
         return 2
     cfg, sources = loaded
+    if os.environ.get("RANK", "0") == "0":  # once, not by every torchrun rank
+        print("\n".join(startup_text(cfg)), flush=True)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from megarl.cluster import init_naive, torchrun_world_size
 

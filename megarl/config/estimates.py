@@ -430,6 +430,15 @@ def format_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSize
             *(f"{name:<{width}}  {value}" for name, value in rows)]
 
 
+def startup_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSizes) -> list[str]:
+    """The block ``megarl train`` prints at start: ``config show``'s estimate rows, titled (T1)."""
+    known = cfg.resources.gpu_memory_gb is not None
+    title = ("memory estimate per GPU (formulas in megarl/config/estimates.py)" if known else
+             "memory estimate per GPU (estimate only: resources.gpu_memory_gb is unknown, so "
+             "the phases are not checked against the GPUs)")
+    return [title, *(f"  {line}" for line in format_estimates(cfg, model, sizes))]
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation rule (PITFALLS T1)
 

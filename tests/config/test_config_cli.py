@@ -138,3 +138,22 @@ def test_fields_table_lists_every_leaf_field():
     # not repeated: ref/critic parallel (7 each), critic optim (6) and offload (3), rollout_pool (2)
     assert len(listed) == len(leaves) - 7 - 7 - 6 - 3 - 2
     assert fields_table(["ray"]).count("\n") == 2 + 3
+
+
+@pytest.mark.parametrize("memory", [None, "resources.gpu_memory_gb=80"])
+def test_train_startup_prints_the_estimates_config_show_reports(run_files, capsys, memory):
+    """T1: ``megarl train`` prints the per-GPU memory estimate at start, gpu_memory_gb or not,
+    with the very numbers of ``config show``."""
+    from megarl.trainer import startup_text
+
+    overrides = [*run_files] + ([memory] if memory else [])
+    show_main([str(TINY), *overrides])
+    shown = [line.removeprefix("#   ") for line in capsys.readouterr().out.splitlines()]
+    cfg, _ = load_config(TINY, overrides)
+    text = startup_text(cfg)
+    assert text[0].startswith("megarl: memory estimate per GPU")
+    assert ("estimate only: resources.gpu_memory_gb is unknown" in text[0]) == (memory is None)
+    rows = [line.removeprefix("megarl:   ") for line in text[1:]]
+    assert any(r.startswith("actor update") and "optimizer" in r and "activations" in r
+               for r in rows)
+    assert rows and all(r in shown for r in rows)
