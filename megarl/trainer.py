@@ -54,7 +54,12 @@ from megarl.config.loader import ConfigError
 from megarl.config.render import render_config
 from megarl.faults import set_step
 from megarl.memory import PhaseOutOfMemory, find_out_of_memory, memory_metrics, phase_memory
-from megarl.metrics.health import HealthMonitor, HealthThresholds
+from megarl.metrics.health import (
+    HealthMonitor,
+    HealthThresholds,
+    NonFiniteGuard,
+    NonFiniteUpdates,
+)
 from megarl.metrics.timing import reduce_metrics, throughput_metrics, timer
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
 from megarl.rollout.interface import RolloutSample, SamplingParams
@@ -111,6 +116,7 @@ class Trainer:
         self.weight_version = 0
         self.steps_done = 0
         self.workers: Workers | None = None
+        self.nonfinite = NonFiniteGuard(cfg.trainer.max_nonfinite_updates)
         ctrl = cfg.algorithm.kl_ctrl  # the in-reward KL coefficient; None when that KL is off
         self.kl_ctrl: KLController | None = make_kl_controller(
             ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon) if (
@@ -519,7 +525,18 @@ class Trainer:
                     per_dp[d].append([records[mini[j]] for j in share])
         per_rank = [(per_dp[w.dp_rank[r]],) for r in range(w.actor.world_size)]
         results = w.actor.execute_rank_split("update", per_rank)
+        skipped = [m.get("actor/update_skipped", 0.0) for m in results[0]]
+        for line in self.nonfinite.observe(skipped, self.steps_done + 1, batch.prompts):
+            self.warn(line)
         return reduce_metrics(results[0])
+
+    def warn(self, line: str) -> None:
+        """A one-line warning on the trackers (stderr before they are open)."""
+        tracker = getattr(self, "tracker", None)
+        if tracker is not None:
+            tracker.warn(line)
+        else:
+            print(f"warning: {line}", file=sys.stderr)
 
     def sync_weights(self) -> dict[str, float]:
         """Stream the actor's weights to every engine; bump ``weight_version``. Engines that
@@ -643,7 +660,7 @@ def train_main(argv: list[str]) -> int:
     except DatasetError as err:  # bad input data: one line, nothing written
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except PhaseOutOfMemory as err:  # one line: phase, rank, the knobs (PITFALLS T1)
+    except (PhaseOutOfMemory, NonFiniteUpdates) as err:  # one line with the knobs (T1, T5)
         print(f"error: {err}", file=sys.stderr)
         return 1
     finally:

@@ -226,6 +226,10 @@ class TrainerConfig(Section):
         "time limit of each collective phase (generate, log-prob, update, weight sync); on "
         "timeout the run stops naming the phase and the ranks that did not finish"))
     seed: int = Field(1, description="seed of model init, sampling and dropout")
+    max_nonfinite_updates: int = Field(3, ge=0, description=(
+        "stop the run after this many actor updates in a row were skipped for a non-finite "
+        "loss or gradient, naming the step and the batch's first prompts (each skipped update "
+        "keeps the last good weights and logs a warning); 0 = never stop"))
 
 
 class RewardConfig(Section):

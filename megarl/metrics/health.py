@@ -265,3 +265,44 @@ class HealthMonitor:
             if isinstance(alarm, SuddenChangeAlarm):
                 saved = state["histories"].get(alarm.name, {})
                 alarm.history = {m: deque(v, maxlen=alarm.window) for m, v in saved.items()}
+
+
+class NonFiniteUpdates(RuntimeError):
+    """Too many optimizer updates in a row had a non-finite loss or gradient (PITFALLS T5)."""
+
+
+def prompt_preview(rows: Sequence[Mapping[str, Any]], count: int = 3, width: int = 60) -> str:
+    """The last message of the first ``count`` prompt rows, each cut to ``width`` characters."""
+    texts = []
+    for row in rows[:count]:
+        prompt = row.get("raw_prompt", row.get("prompt", ""))
+        text = prompt[-1].get("content", "") if isinstance(prompt, list) and prompt else prompt
+        texts.append(repr(str(text)[:width]))
+    return ", ".join(texts) or "(none)"
+
+
+class NonFiniteGuard:
+    """Counts actor updates skipped in a row (non-finite loss or grad); stops at the limit (T5)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # 0 = never stop
+        self.in_a_row = 0
+
+    def observe(self, skipped: Sequence[float], step: int,
+                prompts: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Feed one step's ``actor/update_skipped`` flags (one per update); warnings, or raise."""
+        warnings = []
+        for flag in skipped:
+            self.in_a_row = self.in_a_row + 1 if flag else 0
+            if not flag:
+                continue
+            first = prompt_preview(prompts)
+            if self.limit and self.in_a_row >= self.limit:
+                raise NonFiniteUpdates(
+                    f"step {step}: {self.in_a_row} updates in a row had a non-finite loss or "
+                    f"gradient; the batch's first prompts: {first} — lower actor.optim.lr, "
+                    "check the data (PITFALLS T4), keep actor.grad_clip on (or raise "
+                    "trainer.max_nonfinite_updates)")
+            warnings.append(f"step {step}: update skipped (non-finite loss or gradient), "
+                            f"{self.in_a_row} in a row; the batch's first prompts: {first}")
+        return warnings
