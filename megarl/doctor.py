@@ -182,14 +182,57 @@ def run_checks(output_dir: Path) -> list[Check]:
     return checks
 
 
+def git_commit(root: Path) -> str:
+    """``HEAD`` of the megarl checkout, marked when the work tree has uncommitted changes."""
+    def git(*args: str) -> str:
+        try:
+            return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True,
+                                  timeout=30, check=False).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "HEAD")
+    if not commit:
+        return "unknown (not a git checkout)"
+    return commit + (" (+ uncommitted changes)" if git("status", "--porcelain", "-uno") else "")
+
+
+def report_gpus() -> list[str]:
+    """CUDA build, driver and one line per visible GPU (name, memory)."""
+    import torch
+
+    lines = [f"cuda: torch {torch.__version__}, CUDA build {torch.version.cuda or 'none (CPU)'}"]
+    smi = shutil.which("nvidia-smi")
+    driver = "none (nvidia-smi not found)"
+    if smi:
+        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=False)
+        driver = out.stdout.strip().splitlines()[0] if out.returncode == 0 and (
+            out.stdout.strip()) else "unknown (nvidia-smi failed)"
+    lines.append(f"driver: {driver}")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        return [*lines, "gpus: none visible"]
+    lines.append(f"gpus: {count}")
+    for i in range(count):
+        props = torch.cuda.get_device_properties(i)
+        lines.append(f"  gpu {i}: {props.name}, {props.total_memory / 2**30:.1f} GiB")
+    return lines
+
+
 def report_header(argv: list[str]) -> list[str]:
-    """Lines a bug report needs: commit, command, platform."""
+    """Lines a bug report needs: commit, command, OS, Python, package versions, CUDA, GPUs."""
     root = Path(__file__).resolve().parent.parent
-    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                            text=True).stdout.strip() or "unknown (not a git checkout)"
-    return [f"megarl commit: {commit}", f"command: megarl doctor {' '.join(argv)}",
-            f"platform: {platform.platform()}", f"host: {socket.gethostname()}",
-            f"cpus: {os.cpu_count()}"]
+    versions = []
+    for name in TESTED:
+        try:
+            versions.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            versions.append(f"{name} not installed")
+    return [f"megarl commit: {git_commit(root)}", f"command: megarl doctor {' '.join(argv)}",
+            f"os: {platform.platform()}",
+            f"python: {platform.python_version()} ({sys.executable})", f"versions: {', '.join(versions)}", *report_gpus(),
+            f"host: {socket.gethostname()}", f"cpus: {os.cpu_count()}"]
 
 
 def doctor_main(argv: list[str]) -> int:
@@ -198,7 +241,7 @@ def doctor_main(argv: list[str]) -> int:
     parser.add_argument("--report", action="store_true", help="add bug-report details")
     parser.add_argument("--config", help="a run config to resolve and print")
     parser.add_argument("overrides", nargs="*", help="a.b.c=value overrides for --config")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if args.report:
         print("\n".join(report_header(argv)))
     output_dir = Path("outputs")
