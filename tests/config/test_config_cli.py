@@ -157,3 +157,26 @@ def test_train_startup_prints_the_estimates_config_show_reports(run_files, capsy
     assert any(r.startswith("actor update") and "optimizer" in r and "activations" in r
                for r in rows)
     assert rows and all(r in shown for r in rows)
+
+
+def test_train_main_prints_the_estimate_before_it_starts(run_files, capsys, monkeypatch):
+    """``megarl train`` prints :func:`startup_text` first, once (rank 0)."""
+    from megarl import trainer as trainer_mod
+    from megarl.data.dataset import DatasetError
+
+    class Stub:
+        def __init__(self, cfg, sources):
+            pass
+
+        def setup(self):
+            raise DatasetError("stub: stop before any worker starts")
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(trainer_mod, "Trainer", Stub)
+    monkeypatch.delenv("RANK", raising=False)
+    assert trainer_mod.train_main(["--config", str(TINY), *run_files]) == 2
+    out = capsys.readouterr().out.splitlines()
+    cfg, _ = load_config(TINY, run_files)
+    assert out == trainer_mod.startup_text(cfg)
