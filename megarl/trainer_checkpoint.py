@@ -55,6 +55,7 @@ def save_run_checkpoint(trainer: Trainer) -> str:
         "unsynced": state["unsynced"],
         "weight_version": trainer.weight_version,
         "health": trainer.health.state_dict(),
+        "nonfinite_in_a_row": trainer.nonfinite.in_a_row,
         "kl_ctrl": None if trainer.kl_ctrl is None else trainer.kl_ctrl.state_dict(),
         "config": render_config(trainer.cfg, trainer.sources),
     }
@@ -96,6 +97,7 @@ def resume_run(trainer: Trainer) -> int | None:
         trainer.workers.critic.group.execute_all("load_checkpoint", str(critic_path))
     trainer.loader.load_state_dict(extra["loader"])
     trainer.health.load_state_dict(extra["health"])
+    trainer.nonfinite.in_a_row = int(extra.get("nonfinite_in_a_row", 0))
     if trainer.kl_ctrl is not None and extra.get("kl_ctrl"):
         trainer.kl_ctrl.load_state_dict(extra["kl_ctrl"])
     trainer.steps_done = int(info["step"])

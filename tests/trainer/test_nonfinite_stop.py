@@ -81,3 +81,33 @@ def test_default_limit_is_three() -> None:
     for _ in range(3):
         trainer.update_actor(_batch())
     assert len(trainer.warnings) == 4
+
+
+def test_the_count_survives_a_checkpoint(tmp_path) -> None:
+    from megarl.trainer_checkpoint import resume_run, save_run_checkpoint
+
+    saved: dict[str, Any] = {}
+
+    def save(method: str, path: str, step: int, extra: dict, keep: int) -> Any:
+        saved.update(extra)
+        return SimpleNamespace(get=lambda phase: [path])
+
+    def fake_workers() -> Any:
+        actor = SimpleNamespace(
+            execute_all_async=save,
+            execute_all=lambda name, path: [{"extra": saved, "step": 3, "path": path}])
+        return SimpleNamespace(critic=None, actor=actor, weight_sync=lambda version: {})
+
+    first = _trainer_with_updates([[1.0, 1.0]], f"trainer.output_dir={tmp_path}")
+    first.update_actor(_batch())
+    first.workers, first.steps_done = fake_workers(), 3
+    first.scheduler = SimpleNamespace(checkpoint_state=lambda: {"loader": {}, "unsynced": False})
+    first.health = SimpleNamespace(state_dict=dict)
+    save_run_checkpoint(first)
+    cfg, sources = load_config_dict(BASE, ["trainer.resume=/ckpt",
+                                           f"trainer.output_dir={tmp_path}"])
+    second = Trainer(cfg, sources)
+    second.workers = fake_workers()
+    second.loader = SimpleNamespace(load_state_dict=lambda state: None)
+    second.health = SimpleNamespace(load_state_dict=lambda state: None)
+    assert resume_run(second) == 3 and second.nonfinite.in_a_row == 2
