@@ -20,9 +20,9 @@ PROMPTS = [{"raw_prompt": [{"role": "user", "content": "What is 2+2?"}]},
 
 def test_guard_stops_at_the_limit_naming_step_and_prompts() -> None:
     guard = NonFiniteGuard(limit=3)
-    assert guard.observe([0.0, 1.0], 4, PROMPTS) == [
-        "step 4: update skipped (non-finite loss or gradient), 1 in a row; the batch's first "
-        f"prompts: 'What is 2+2?', {'x' * 60!r}"]
+    expected = ("step 4: update skipped (non-finite loss or gradient), 1 in a row; the batch's "
+                f"first prompts: 'What is 2+2?', {'x' * 60!r}")
+    assert guard.observe([0.0, 1.0], 4, PROMPTS) == [expected]
     assert len(guard.observe([1.0], 5, PROMPTS)) == 1
     with pytest.raises(NonFiniteUpdates) as err:
         guard.observe([1.0, 1.0], 6, PROMPTS)
