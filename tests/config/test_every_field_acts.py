@@ -24,16 +24,15 @@ from typing import Any
 
 import pytest
 
-import megarl.scheduler.fully_async as fully_async
 import megarl.trainer as trainer_module
-import megarl.trainer_checkpoint as trainer_checkpoint
-import megarl.trainer_setup as trainer_setup
+from megarl import trainer_checkpoint, trainer_setup
 from megarl.config import load_config_dict, validate_config
 from megarl.config.derived import derive_sizes
 from megarl.config.estimates import estimate
 from megarl.config.model_info import load_model_info
 from megarl.config.schema import RunConfig
 from megarl.config.schema_common import Section
+from megarl.scheduler import fully_async
 from megarl.trainer import Trainer
 
 
@@ -148,12 +147,40 @@ def refused(value: Any, *extra: str) -> Row:
     return Row("refused", check)
 
 
-def reads(consumer: Callable[..., Any], text: str | None = None) -> Row:
-    """``consumer`` (a run-time function that needs a live trainer) reads the field."""
+def refused_at_start(value: Any, *extra: str) -> Row:
+    """``megarl train`` refuses ``value`` before starting anything (the trainer's NOT_BUILT
+    list: machinery not built yet), naming the field."""
     def check(run: Run, field: str) -> None:
-        source = inspect.getsource(consumer)
-        wanted = text or field.rsplit(".", 1)[-1]
-        assert wanted in source, f"{consumer.__qualname__} does not read {field} ({wanted!r})"
+        def refusals(*overrides: str) -> list[str]:
+            cfg, _ = run.config(*overrides)
+            return [name for name, applies, _ in trainer_module.NOT_BUILT
+                    if name == field and applies(cfg)]
+        assert not refusals(*extra), f"megarl train already refuses the base's {field}"
+        assert refusals(*extra, f"{field}={value}"), f"megarl train accepts {field}={value}"
+    return Row("refused", check)
+
+
+def code_names(consumer: Any) -> set[str]:
+    """Names and attributes the code of a function or module uses (docstrings excluded)."""
+    if inspect.ismodule(consumer):
+        code = compile(inspect.getsource(consumer), consumer.__file__, "exec")
+    else:
+        code = consumer.__code__
+    names, todo = set(), [code]
+    while todo:
+        current = todo.pop()
+        names |= set(current.co_names)
+        todo += [c for c in current.co_consts if inspect.iscode(c)]
+    return names
+
+
+def reads(consumer: Any, *names: str) -> Row:
+    """``consumer`` (run-time code that needs a live trainer) reads the field: its code uses
+    ``names`` (default: the field's section and key, e.g. ``data`` and ``seed``)."""
+    def check(run: Run, field: str) -> None:
+        wanted = set(names or field.split(".")[-2:])
+        missing = wanted - code_names(consumer)
+        assert not missing, f"{consumer.__name__} does not read {field} (no {sorted(missing)})"
     return Row("read", check)
 
 
@@ -204,7 +231,7 @@ FIELDS: dict[str, Row] = {
     "data.train_batch_size": spec(16, "actor.optim.total_steps"),
     "data.val_batch_size": reads(Trainer.validate),
     "data.shuffle": reads(Trainer.setup),
-    "data.seed": reads(Trainer.setup, "data.seed"),
+    "data.seed": reads(Trainer.setup),
     # actor
     "actor.ppo_mini_batch_size": spec(2, "actor.optim.total_steps"),
     "actor.ppo_micro_batch_size": refused(4),
@@ -241,7 +268,7 @@ FIELDS: dict[str, Row] = {
     "ref.enabled": spec("true", "actor.with_ref"),
     "ref.offload.param_offload": spec("true", "actor.ref_param_offload"),
     # critic (on with gae)
-    "critic.enabled": reads(trainer_setup, "critic.enabled"),
+    "critic.enabled": reads(trainer_setup),
     "critic.model_path": spec("/critic", "critic.model_path", GAE),
     **optim_rows("critic", GAE),
     "critic.ppo_mini_batch_size": spec(2, "critic.optim.total_steps", GAE),
@@ -269,72 +296,69 @@ FIELDS: dict[str, Row] = {
     "rollout.host": spec("127.0.0.2", "argv"),
     # checkpoint engine
     "checkpoint_engine.backend": spec("nccl", "weight_sync"),
-    "checkpoint_engine.bucket_size_mb": reads(trainer_setup, "bucket_size_mb"),
+    "checkpoint_engine.bucket_size_mb": reads(trainer_setup),
     # algorithm
-    "algorithm.adv_estimator": reads(Trainer.compute_advantages, "adv_estimator"),
+    "algorithm.adv_estimator": reads(Trainer.compute_advantages),
     "algorithm.norm_adv_by_std_in_grpo": reads(Trainer.compute_advantages),
-    "algorithm.gamma": reads(Trainer.compute_advantages, "gamma=alg.gamma"),
-    "algorithm.lam": reads(Trainer.compute_advantages, "lam=alg.lam"),
+    "algorithm.gamma": reads(Trainer.compute_advantages, "algorithm", "gamma"),
+    "algorithm.lam": reads(Trainer.compute_advantages, "algorithm", "lam"),
     "algorithm.use_kl_in_reward": spec("true", "kl_ctrl"),
-    # documented as refusing `full`, but validation accepts it (the KL estimator raises at the
-    # first step instead, naming actor.kl_loss_type): a refusal debt, not an ignored value
-    "algorithm.kl_penalty": reads(Trainer.token_level_rewards, "algorithm.kl_penalty"),
+    "algorithm.kl_penalty": refused_at_start("full", KL_IN_REWARD),
     "algorithm.kl_ctrl.type": spec("adaptive", "kl_ctrl", KL_IN_REWARD),
     "algorithm.kl_ctrl.kl_coef": spec(0.01, "kl_ctrl", KL_IN_REWARD),
     "algorithm.kl_ctrl.horizon": spec(100, "kl_ctrl", KL_IN_REWARD,
                                       "algorithm.kl_ctrl.type=adaptive"),
     "algorithm.kl_ctrl.target_kl": spec(0.5, "kl_ctrl", KL_IN_REWARD,
                                         "algorithm.kl_ctrl.type=adaptive"),
-    "algorithm.filter_groups.enable": reads(fully_async, "filter_groups"),
-    "algorithm.filter_groups.metric": reads(fully_async, "metric"),
+    "algorithm.filter_groups.enable": reads(fully_async),
     "algorithm.filter_groups.max_num_gen_batches": reads(fully_async),
-    "algorithm.rollout_correction.rollout_is": reads(trainer_module, "rollout_correction"),
+    "algorithm.rollout_correction.rollout_is": reads(trainer_module),
     "algorithm.rollout_correction.rollout_is_threshold": reads(trainer_module,
                                                                 "rollout_correction"),
-    "algorithm.rollout_correction.rollout_rs": reads(trainer_module, "rollout_correction"),
+    "algorithm.rollout_correction.rollout_rs": reads(trainer_module),
     "algorithm.rollout_correction.rollout_rs_threshold": reads(trainer_module,
                                                                 "rollout_correction"),
     "algorithm.rollout_correction.rollout_rs_threshold_lower": reads(trainer_module,
                                                                       "rollout_correction"),
-    "algorithm.rollout_correction.bypass_mode": reads(trainer_module, "bypass_mode"),
+    "algorithm.rollout_correction.bypass_mode": reads(trainer_module),
     # scheduler
     "scheduler.mode": refused("one_step_off"),
-    "scheduler.staleness_threshold": reads(fully_async),
-    "scheduler.trigger_parameter_sync_step": reads(fully_async),
-    "scheduler.partial_rollout": reads(fully_async),
-    "scheduler.max_queue_length": reads(fully_async),
+    "scheduler.staleness_threshold": reads(fully_async, "staleness_threshold"),
+    "scheduler.trigger_parameter_sync_step": reads(fully_async, "trigger_parameter_sync_step"),
+    "scheduler.partial_rollout": reads(fully_async, "partial_rollout"),
+    "scheduler.max_queue_length": reads(fully_async, "max_queue_length"),
     # resources
     "resources.train_pool.nnodes": spec(2, "argv"),
     "resources.train_pool.gpus_per_node": spec(4, "argv"),
     "resources.rollout_pool.nnodes": spec(2, "argv", *SEPARATE),
     "resources.rollout_pool.gpus_per_node": spec(4, "argv", *SEPARATE),
-    "resources.device": reads(trainer_setup, "resources.device"),
+    "resources.device": reads(trainer_setup),
     # documented as an input of the estimates only (a too small GPU is a warning)
     "resources.gpu_memory_gb": derived(40, "estimate"),
     # trainer
     "trainer.total_steps": spec(7, "actor.optim.total_steps"),
     "trainer.output_dir": reads(Trainer.__init__),
     "trainer.save_every": reads(trainer_checkpoint),
-    "trainer.resume": reads(trainer_checkpoint, "trainer.resume"),
+    "trainer.resume": reads(trainer_checkpoint),
     "trainer.keep_last": reads(trainer_checkpoint),
-    "trainer.loggers": reads(Trainer.setup, "trainer.loggers"),
+    "trainer.loggers": reads(Trainer.setup),
     "trainer.project_name": reads(Trainer.setup),
     "trainer.experiment_name": reads(Trainer.setup),
     "trainer.wandb_proxy": reads(Trainer.setup),
-    "trainer.worker_group": reads(trainer_module, "worker_group"),
+    "trainer.worker_group": reads(trainer_module),
     "trainer.val_every": reads(Trainer.setup),
     "trainer.phase_timeout_s": reads(trainer_module),
     "trainer.seed": spec(7, "actor.seed"),
     # reward
-    "reward.function": reads(Trainer.setup, "reward.function"),
-    "reward.batched": reads(Trainer.setup, "reward.batched"),
-    "reward.format_score": reads(Trainer.setup, "reward.format_score"),
-    "reward.timeout_s": reads(Trainer.setup, "reward.timeout_s"),
-    "reward.num_workers": reads(Trainer.setup, "reward.num_workers"),
+    "reward.function": reads(Trainer.setup),
+    "reward.batched": reads(Trainer.setup),
+    "reward.format_score": reads(Trainer.setup),
+    "reward.timeout_s": reads(Trainer.setup),
+    "reward.num_workers": reads(Trainer.setup),
     # ray
-    "ray.address": reads(trainer_setup, "ray.address"),
-    "ray.num_cpus": reads(trainer_setup, "ray.num_cpus"),
-    "ray.timeline_file": reads(trainer_module, "timeline_file"),
+    "ray.address": reads(trainer_setup),
+    "ray.num_cpus": reads(trainer_setup),
+    "ray.timeline_file": reads(trainer_module),
 }
 
 # Accepted and ignored: neither reaches a build nor is refused (issue 20's debts). This set may
@@ -342,6 +366,9 @@ FIELDS: dict[str, Row] = {
 _REF_LAYOUT = ("the reference is built inside the actor's workers with the actor's layout; "
                "ref.parallel only feeds `config show`'s sizes and memory estimate")
 KNOWN_IGNORED: dict[str, str] = {
+    "algorithm.filter_groups.metric": (
+        "dynamic sampling drops groups whose scores have zero variance whatever the metric; "
+        "nothing reads the metric (validation only warns when filter_groups is off)"),
     "model.trust_remote_code": (
         "reaches neither the engine argv (SGLangLaunchConfig.trust_remote_code is never set "
         "by engine_command) nor the actor build (load_hf_config's default False)"),
@@ -381,7 +408,7 @@ def test_every_field_has_a_row() -> None:
 def test_known_ignored_only_shrinks() -> None:
     """Paying a debt removes its entry; nothing new may be accepted and ignored."""
     assert set(KNOWN_IGNORED) == {
-        "model.trust_remote_code", "actor.log_prob_micro_batch_size_per_gpu",
+        "algorithm.filter_groups.metric", "model.trust_remote_code", "actor.log_prob_micro_batch_size_per_gpu",
         "ref.log_prob_micro_batch_size_per_gpu", "ref.parallel.tp", "ref.parallel.pp",
         "ref.parallel.vpp", "ref.parallel.ep", "ref.parallel.etp", "ref.parallel.cp",
         "ref.parallel.sequence_parallel",
