@@ -3,7 +3,8 @@
 FIELDS holds one row per dotted field name; each row's check is run against a small valid run
 (the tiny MoE model on a 2-GPU train pool) and asserts one of:
 - spec: changing the value changes a built object (the actor/critic/engine spec, the engine's
-  argv, the sampling params, the derived sizes, the memory estimate, the KL controller);
+  argv, the sampling params, the derived sizes, the memory estimate, the KL controller, the
+  fully_async queue capacity, the checkpoint steps);
 - refused: validation reports an error naming the field for some value;
 - derived: a documented input of `megarl config show`'s sizes or estimates only;
 - read: the value is consumed at run time by a named function (its source reads the field);
@@ -97,7 +98,11 @@ class Run:
                 "estimate": estimate(cfg, info, sizes),
                 "kl_ctrl": None if kl is None else vars(kl),
                 "generation": trainer.generation_options(),
-                "seeds": trainer.prompt_seeds(1, 2), "weight_sync": weight_sync_backend(cfg)}
+                "seeds": trainer.prompt_seeds(1, 2), "weight_sync": weight_sync_backend(cfg),
+                "queue_capacity": fully_async.queue_capacity(
+                    cfg.scheduler, cfg.data.train_batch_size, cfg.rollout.n),
+                "save_due": [trainer_checkpoint.save_due(types.SimpleNamespace(
+                    cfg=cfg, steps_done=step)) for step in range(1, cfg.trainer.total_steps + 1)]}
 
     def errors_naming(self, field: str, *overrides: str) -> list[str]:
         """Validation errors of the base + overrides that name ``field``."""
@@ -323,10 +328,10 @@ FIELDS: dict[str, Row] = {
     "algorithm.rollout_correction.bypass_mode": reads(trainer_module),
     # scheduler
     "scheduler.mode": refused("one_step_off"),
-    "scheduler.staleness_threshold": reads(fully_async, "staleness_threshold"),
-    "scheduler.trigger_parameter_sync_step": reads(fully_async, "trigger_parameter_sync_step"),
+    "scheduler.staleness_threshold": spec(0.5, "queue_capacity"),
+    "scheduler.trigger_parameter_sync_step": spec(2, "queue_capacity"),
     "scheduler.partial_rollout": reads(fully_async, "partial_rollout"),
-    "scheduler.max_queue_length": reads(fully_async, "max_queue_length"),
+    "scheduler.max_queue_length": spec(10, "queue_capacity"),
     # resources
     "resources.train_pool.nnodes": spec(2, "argv"),
     "resources.train_pool.gpus_per_node": spec(4, "argv"),
@@ -338,8 +343,8 @@ FIELDS: dict[str, Row] = {
     # trainer
     "trainer.total_steps": spec(7, "actor.optim.total_steps"),
     "trainer.output_dir": reads(Trainer.__init__),
-    "trainer.save_every": reads(trainer_checkpoint),
-    "trainer.resume": reads(trainer_checkpoint),
+    "trainer.save_every": spec(10, "save_due"),
+    "trainer.resume": spec("never", "save_due"),
     "trainer.keep_last": reads(trainer_checkpoint),
     "trainer.loggers": reads(Trainer.setup),
     "trainer.project_name": reads(Trainer.setup),
