@@ -5,9 +5,10 @@ FIELDS holds one row per dotted field name; each row's check is run against a sm
 - spec: changing the value changes a built object (the actor/critic/engine spec, the engine's
   argv, the sampling params, the derived sizes, the memory estimate, the KL controller, the
   fully_async queue capacity, the checkpoint steps);
-- refused: validation reports an error naming the field for some value;
+- refused: validation (or `megarl train`'s NOT_BUILT list, before anything starts) reports an
+  error naming the field for some value;
 - derived: a documented input of `megarl config show`'s sizes or estimates only;
-- read: the value is consumed at run time by a named function (its source reads the field);
+- read: run-time code reads the field (the names appear in its bytecode, docstrings excluded);
   weaker than spec, used where the consumer needs a running trainer (data files, trackers, Ray).
 Fields that are accepted and then ignored are listed in KNOWN_IGNORED (issue 20's debts); that
 set may only shrink. A new field without a row fails test_every_field_has_a_row.
