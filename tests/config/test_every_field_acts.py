@@ -355,6 +355,7 @@ FIELDS: dict[str, Row] = {
     "trainer.val_every": reads(Trainer.setup),
     "trainer.phase_timeout_s": reads(trainer_module),
     "trainer.seed": spec(7, "actor.seed"),
+    "trainer.max_nonfinite_updates": reads(Trainer.__init__),
     # reward
     "reward.function": reads(Trainer.setup),
     "reward.batched": reads(Trainer.setup),
