@@ -474,11 +474,14 @@ class Trainer:
             batch.replay_routes = engine if mode == "R3" else None
             return {}
         metrics: dict[str, float] = {}
-        used = own = self.compute_log_probs(batch, record_routes=engine is not None
-                                            or mode == "R2")
         if mode == "R3":
+            if self.cfg.actor.router_replay.diagnose_no_replay:
+                own = self.compute_log_probs(batch, record_routes=True)
+                metrics.update(self._mismatch_metrics(batch, own, engine, suffix="_no_replay"))
             used = self.compute_log_probs(batch, routes=engine, record_routes=True)
-            metrics.update(self._mismatch_metrics(batch, own, engine, suffix="_no_replay"))
+        else:
+            used = self.compute_log_probs(batch, record_routes=engine is not None
+                                          or mode == "R2")
         metrics.update(self._mismatch_metrics(batch, used, engine))
         batch.old_log_probs = used["log_probs"]
         batch.replay_routes = used["routes"] if mode != "disabled" else None

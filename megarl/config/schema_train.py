@@ -94,6 +94,11 @@ class RouterReplayConfig(Section):
     mode: Literal["disabled", "R2", "R3"] = Field("disabled", description=(
         "R2 = record routes in the old-log-prob forward and replay them in the update; "
         "R3 = replay the routes returned by the rollout engine in both (needs a MoE model)"))
+    diagnose_no_replay: bool = Field(False, description=(
+        "R3 only: also run the old-log-prob forward without replay, for the metrics "
+        "`rollout/moe/router_agreement_no_replay` and `training/rollout_probs_diff_no_replay_*`; "
+        "costs one more forward over the whole batch every step (about as long as the "
+        "old-log-prob forward itself)"))
 
 
 class ActorConfig(Section):

@@ -34,6 +34,13 @@ handled by :func:`megarl.megatron.native_spec.bind_missing_te_names`):
    ``param.type()`` is ``'torch.cuda.FloatTensor'`` / ``HalfTensor`` / ``BFloat16Tensor``, and
    ``clip_grad_by_total_norm_fp32`` asserts the same of gradients. Under the device mode of (2),
    ``Tensor.type()`` without arguments names a CPU tensor's CUDA type.
+8. Uneven collectives: the alltoall dispatcher with expert-tensor parallelism gathers and
+   reduce-scatters tokens inside the expert-TP group with per-rank split sizes that differ when
+   routing is uneven (``gather_from_sequence_parallel_region(..., output_split_sizes=...)`` calls
+   ``torch.distributed.all_gather`` with a list of uneven tensors, its backward and the combine
+   call ``torch.distributed.reduce_scatter`` with uneven inputs). NCCL accepts that; gloo raises
+   ``ProcessGroupGloo::allgather: invalid tensor size``. On gloo groups both functions pad every
+   piece along dim 0 to the largest, run the equal-size collective and copy the pieces back.
 """
 
 from __future__ import annotations
@@ -63,7 +70,7 @@ def is_enabled() -> bool:
 def enable() -> bool:
     """Install the CPU layer if CUDA is unavailable; idempotent. Returns whether it is active.
 
-    Process-wide patches (1, 3, 4, 6) are installed once; the device mode (2) is pushed on the
+    Process-wide patches (1, 3, 4, 6, 8) are installed once; the device mode (2) is pushed on the
     calling thread if it is not on that thread's mode stack already.
     """
     global _patched
@@ -75,6 +82,7 @@ def enable() -> bool:
             _patch_rng()
             _patch_streams()
             _patch_split_sizes()
+            _patch_uneven_collectives()
             _patched = True
     _push_device_mode()
     return True
@@ -243,3 +251,68 @@ def _patch_split_sizes() -> None:
 
     moe_utils.maybe_move_tensor_to_cpu = _cpu_tensor_to_numpy
     token_dispatcher.maybe_move_tensor_to_cpu = _cpu_tensor_to_numpy
+
+
+# --- 8. uneven all_gather / reduce_scatter on gloo ---------------------------------------------
+
+
+def _is_uneven_on_gloo(tensors: list[torch.Tensor], group: Any, async_op: bool) -> bool:
+    """True when the pieces differ only in dim 0 and the group's backend is gloo (sync call)."""
+    import torch.distributed as dist
+
+    if async_op or not tensors or len({t.shape for t in tensors}) == 1:
+        return False
+    if len({(t.shape[1:], t.dtype) for t in tensors}) != 1:
+        return False  # not a split along dim 0: leave it to torch
+    return dist.get_backend(group) == "gloo"
+
+
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """``tensor`` with zero rows appended up to ``rows`` rows (contiguous)."""
+    padded = tensor.new_zeros((rows, *tensor.shape[1:]))
+    padded[: tensor.shape[0]] = tensor
+    return padded
+
+
+def _make_uneven_all_gather(original: Any) -> Any:
+    """Wrap ``torch.distributed.all_gather`` so that gloo gathers pieces of unequal dim 0."""
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if not _is_uneven_on_gloo(list(tensor_list), group, async_op):
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        gathered = [tensor.new_empty((rows, *tensor.shape[1:])) for _ in tensor_list]
+        original(gathered, _pad_rows(tensor, rows), group=group)
+        for out, full in zip(tensor_list, gathered):
+            out.copy_(full[: out.shape[0]])
+        return None
+
+    all_gather._megarl_uneven = True
+    return all_gather
+
+
+def _make_uneven_reduce_scatter(original: Any) -> Any:
+    """Wrap ``torch.distributed.reduce_scatter`` so that gloo reduces inputs of unequal dim 0."""
+    import torch.distributed as dist
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not _is_uneven_on_gloo(list(input_list), group, async_op):
+            return original(output, input_list, op=op, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in input_list)
+        padded_out = output.new_empty((rows, *output.shape[1:]))
+        padded_in = [_pad_rows(t, rows) for t in input_list]
+        original(padded_out, padded_in, op=op, group=group)
+        output.copy_(padded_out[: output.shape[0]])
+        return None
+
+    reduce_scatter._megarl_uneven = True
+    return reduce_scatter
+
+
+def _patch_uneven_collectives() -> None:
+    import torch.distributed as dist
+
+    if not getattr(dist.all_gather, "_megarl_uneven", False):
+        dist.all_gather = _make_uneven_all_gather(dist.all_gather)
+    if not getattr(dist.reduce_scatter, "_megarl_uneven", False):
+        dist.reduce_scatter = _make_uneven_reduce_scatter(dist.reduce_scatter)

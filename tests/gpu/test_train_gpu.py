@@ -91,7 +91,8 @@ def test_colocated_training_on_one_gpu_syncs_every_tensor(assets, tmp_path):
 def test_r3_router_replay_on_one_gpu(assets, tmp_path):
     trainer = make_trainer(assets, tmp_path / "r3", "trainer.total_steps=3",
                            "rollout.enable_return_routed_experts=true",
-                           "actor.router_replay.mode=R3")
+                           "actor.router_replay.mode=R3",
+                           "actor.router_replay.diagnose_no_replay=true")
     try:
         trainer.setup()
         history = trainer.fit()

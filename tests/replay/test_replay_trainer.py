@@ -20,7 +20,8 @@ from megarl.rollout.interface import RolloutSample
 from megarl.trainer import Trainer, load_run_config
 
 R3_RUN = [
-    "actor.router_replay.mode=R3", "rollout.dtype=bfloat16", "model.dtype=float32",
+    "actor.router_replay.mode=R3", "actor.router_replay.diagnose_no_replay=true",
+    "rollout.dtype=bfloat16", "model.dtype=float32",
     "trainer.total_steps=2", "data.train_batch_size=4", "rollout.n=4",
     "actor.ppo_mini_batch_size=2",  # two updates per step: the second is off-policy
     "algorithm.rollout_correction.rollout_is=token",
