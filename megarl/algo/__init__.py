@@ -45,15 +45,15 @@ from megarl.algo.rollout_correction import (
 )
 
 __all__ = [
-    "AdaptiveKLController",
-    "FixedKLController",
-    "KLController",
     "ADVANTAGE_ESTIMATORS",
     "IS_LEVELS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "RS_CRITERIA",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KLController",
     "aggregate_loss",
     "apply_kl_in_reward",
     "compute_advantages",

@@ -268,6 +268,7 @@ FIELDS: dict[str, Row] = {
     "actor.recompute.modules": spec("[mlp]", "actor.recompute",
                                     "actor.recompute.granularity=selective"),
     "actor.router_replay.mode": spec("R2", "actor.router_replay"),
+    "actor.router_replay.diagnose_no_replay": reads(Trainer.compute_old_log_probs),
     "actor.cuda_graphs": spec("true", "actor.cuda_graphs"),
     "actor.cuda_graph_bucket_tokens": spec(512, "actor.cuda_graph_bucket_tokens"),
     # ref
