@@ -249,8 +249,11 @@ def check_scheduler_needs_separate_pools(ctx: Context) -> Iterator[Problem]:
     mode, sched = cfg.scheduler.mode, cfg.scheduler
     if mode != "colocate_sync" and cfg.rollout.colocate:
         yield error(("scheduler.mode", "rollout.colocate"), f"{mode} overlaps generation with "
-                    "training, which needs engines on their own GPUs", "set rollout.colocate=false "
-                    "with a resources.rollout_pool, or scheduler.mode=colocate_sync")
+                    "training, which needs engines on their own GPUs: a colocated engine gives "
+                    "its weights and KV cache back while the actor trains, so it cannot generate "
+                    "then (on one GPU, colocate_sync is the only schedule; the pools cannot share "
+                    "a GPU)", "set rollout.colocate=false with a resources.rollout_pool on other "
+                    "GPUs, or scheduler.mode=colocate_sync")
     if mode != "colocate_sync" and cfg.trainer.worker_group == "naive":
         yield error(("scheduler.mode", "trainer.worker_group"), f"{mode} generates on a "
                     "background thread next to Ray workers; the no-Ray mode runs colocate_sync "

@@ -335,3 +335,16 @@ def test_file_problems_checks_only_files(tmp_path, data_file):
     cfg, _ = load_config_dict(base_dict(tmp_path, data_file), ["data.train_batch_size=60",
                                                                "data.val_files=[/nope.parquet]"])
     assert [p.rule for p in file_problems(cfg)] == ["check_model_dir", "check_data_files"]
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_overlapping_schedules_on_one_colocated_gpu_are_refused_with_the_reason(checker, mode):
+    """Issue 18 item 6: on one GPU the engine and the actor take turns, so a schedule that
+    overlaps them is refused at validation, naming both fields and the way out."""
+    problem = checker.find("check_scheduler_needs_separate_pools", f"scheduler.mode={mode}",
+                           "resources.device=cuda", "resources.train_pool.gpus_per_node=1",
+                           "rollout.colocate=true", "actor.parallel.ep=1")
+    assert problem.severity == "error"
+    assert problem.fields == ("scheduler.mode", "rollout.colocate")
+    assert "gives its weights and KV cache back while the actor trains" in problem.message
+    assert "scheduler.mode=colocate_sync" in problem.fix

@@ -49,10 +49,11 @@ def kill_tagged(tag: str) -> None:
 
 
 def start_train(assets: Path, out: Path, *overrides: str, crash: str | None = None,
-                torchrun: bool = False) -> tuple[subprocess.Popen, str]:
-    """A ``megarl train`` process (4 steps, a checkpoint after each; ``torchrun`` launches it
-    under a torchrun of 2 processes) and the environment tag its descendants carry; its output
-    goes to ``out``/../<name>-<tag>.log."""
+                torchrun: bool = False, config: Path = DEMO_CONFIG,
+                total_steps: int = TOTAL_STEPS) -> tuple[subprocess.Popen, str]:
+    """A ``megarl train`` process (``total_steps`` steps of ``config``, a checkpoint after each;
+    ``torchrun`` launches it under a torchrun of 2 processes) and the environment tag its
+    descendants carry; its output goes to ``out``/../<name>-<tag>.log."""
     tag = uuid.uuid4().hex
     env = {**os.environ, "MEGARL_TEST_TAG": tag, "OMP_NUM_THREADS": "1"}
     env.pop("MEGARL_CRASH_AT", None)
@@ -60,11 +61,11 @@ def start_train(assets: Path, out: Path, *overrides: str, crash: str | None = No
         env["MEGARL_CRASH_AT"] = crash
     launcher = [*TORCHRUN, "-m", "megarl.cli"] if torchrun else [sys.executable, "-m",
                                                                   "megarl.cli"]
-    args = [*launcher, "train", "--config", str(DEMO_CONFIG),
+    args = [*launcher, "train", "--config", str(config),
             f"model.path={assets / 'model'}", f"data.train_files=[{assets / 'data/train.parquet'}]",
             f"data.val_files=[{assets / 'data/val.parquet'}]",
             f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
-            f"trainer.total_steps={TOTAL_STEPS}", "trainer.save_every=1", "trainer.resume=auto",
+            f"trainer.total_steps={total_steps}", "trainer.save_every=1", "trainer.resume=auto",
             "trainer.keep_last=2", "trainer.phase_timeout_s=120", "ray.address=local",
             "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
             "actor.ppo_micro_batch_size_per_gpu=8", *overrides]
@@ -91,9 +92,11 @@ def finish(proc: subprocess.Popen, tag: str, expect_ok: bool) -> tuple[int, str]
 
 
 def train(assets: Path, out: Path, *overrides: str, crash: str | None = None,
-          torchrun: bool = False) -> int:
+          torchrun: bool = False, config: Path = DEMO_CONFIG,
+          total_steps: int = TOTAL_STEPS) -> int:
     """One ``megarl train`` run; its exit code: 0, or -9 when it crashed as asked."""
-    proc, tag = start_train(assets, out, *overrides, crash=crash, torchrun=torchrun)
+    proc, tag = start_train(assets, out, *overrides, crash=crash, torchrun=torchrun,
+                            config=config, total_steps=total_steps)
     code, output = finish(proc, tag, expect_ok=crash is None)
     if crash is not None and code != -signal.SIGKILL:
         raise AssertionError(f"expected a crash at {crash}, got exit {code}:\n{output[-5000:]}")
