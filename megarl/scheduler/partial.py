@@ -8,12 +8,17 @@ with the new weights), it asks for the tokens still allowed, and keeps the sampl
 answer is appended to the prefix; :func:`merge` records per token the weight version that
 generated it (``RolloutSample.token_weight_versions``), so staleness and off-policy corrections
 know which tokens came from which weights. The engine's log-probs of each token are the ones
-of the weights that sampled it.
+of the weights that sampled it, and so are its routed experts (R3): the continuation's prefill
+recomputes routes for the prompt and the earlier tokens under the new weights, but those are
+not the routes that produced the earlier tokens, so :func:`merge` keeps the prefix's recorded
+routes and takes from the continuation only the rows of the forward steps it sampled from.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+
+import torch
 
 from megarl.rollout.interface import RolloutSample, SamplingParams
 
@@ -33,9 +38,9 @@ def continuation(sample: RolloutSample,
 
 def merge(prefix: RolloutSample, piece: RolloutSample) -> RolloutSample:
     """``prefix`` followed by the continuation ``piece`` (whose prompt is prefix's prompt plus
-    its response): tokens and log-probs concatenated, per-token versions recorded; finish
-    reason, final version and routed experts (which cover the whole sequence, prefilled under
-    the new weights) come from the piece."""
+    its response): tokens, log-probs and routed experts (see :func:`stitch_routes`)
+    concatenated, per-token versions recorded; finish reason and final version come from the
+    piece."""
     if list(piece.prompt_ids) != list(prefix.prompt_ids) + list(prefix.response_ids):
         raise ValueError(f"sample {prefix.rid}: the continuation's prompt is not the original "
                          "prompt plus the tokens generated so far")
@@ -48,6 +53,24 @@ def merge(prefix: RolloutSample, piece: RolloutSample) -> RolloutSample:
     return replace(
         prefix, response_ids=list(prefix.response_ids) + list(piece.response_ids),
         log_probs=log_probs, finish_reason=piece.finish_reason,
-        weight_version=piece.weight_version, routed_experts=piece.routed_experts,
+        weight_version=piece.weight_version, routed_experts=stitch_routes(prefix, piece),
         matched_stop=piece.matched_stop, token_weight_versions=versions,
         extra={**prefix.extra, "resumed": int(prefix.extra.get("resumed", 0)) + 1})
+
+
+def stitch_routes(prefix: RolloutSample, piece: RolloutSample) -> torch.Tensor | None:
+    """Routed experts of ``prefix`` + ``piece``: the ``len(prompt) + len(response) - 1`` rows
+    the prefix recorded while it generated (prompt and earlier tokens under the earlier
+    weights), then the continuation's rows from there on (the forward steps whose logits
+    sampled its tokens, the first being the prefill of the prefix's last token). The
+    continuation's rows before that are its prefill's recomputation under the new weights and
+    are dropped."""
+    if piece.routed_experts is None or prefix.routed_experts is None:
+        return prefix.routed_experts if not piece.response_ids else piece.routed_experts
+    kept = len(prefix.prompt_ids) + len(prefix.response_ids) - 1
+    if prefix.routed_experts.shape[0] != kept or piece.routed_experts.shape[0] < kept:
+        raise ValueError(
+            f"sample {prefix.rid}: routed experts have {prefix.routed_experts.shape[0]} rows "
+            f"before the abort and {piece.routed_experts.shape[0]} in the continuation; "
+            f"expected {kept} and at least {kept} (one per token fed to the model)")
+    return torch.cat([prefix.routed_experts, piece.routed_experts[kept:]])

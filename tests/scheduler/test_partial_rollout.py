@@ -4,7 +4,8 @@ The fully_async producer (:class:`Rollouter`) generates into the queue while the
 engine's weights between two different tiny MoE models (A, B, A) the way a weight sync does:
 pause, load, resume. Every token of every sample must carry the version of the weights that
 sampled it: its engine log-prob equals the log-prob that model (HF transformers, teacher-forced
-over prompt + all earlier tokens) gives it, and differs from the other model's.
+over prompt + all earlier tokens) gives it, and differs from the other model's; so do its routed
+experts (R3), which the continuation's prefill would otherwise recompute under the new weights.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def wait_until_running(url: str, timeout_s: float = 60.0) -> None:
 
 
 def generate_across_syncs(url: str, *, partial: bool, max_new_tokens: int, start: int,
-                          syncs: list[tuple[Path, int]], delay_s: float,
-                          take: int) -> tuple[list[SampleGroup], RolloutCounters]:
+                          syncs: list[tuple[Path, int]], delay_s: float, take: int,
+                          routes: bool = False) -> tuple[list[SampleGroup], RolloutCounters]:
     """Run the producer from weight version ``start``; ``delay_s`` after the engine starts
     decoding, swap its weights as a sync does (per entry of ``syncs``); return the first
     ``take`` finished groups."""
@@ -87,7 +88,8 @@ def generate_across_syncs(url: str, *, partial: bool, max_new_tokens: int, start
                             ignore_eos=True)
     rollouter = Rollouter(loop.client, jobs(), params, queue, StalenessBudget(3, 0.0),
                           version=start, partial_rollout=partial,
-                          options={"return_logprob": True}, clock=BusyClock())
+                          options={"return_logprob": True, "return_routed_experts": routes},
+                          clock=BusyClock())
     queue.on_space = lambda: loop.call_soon(rollouter.wake)
     try:
         loop.run(loop.client.update_weight_version(str(start)), 60)
@@ -163,3 +165,33 @@ def test_without_partial_rollout_a_sync_waits_for_requests_in_flight(url, models
     assert [s.weight_version for g in groups[:3] for s in g.samples] == ["10"] * 6
     assert [s.weight_version for g in groups[3:] for s in g.samples] == ["11"] * 6
     check_attribution(groups, {10: "A", 11: "B"}, hf)
+
+
+def hf_routes(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """``[len(tokens), layers, top_k]``: every layer's router top-k, by HF."""
+    with torch.no_grad():
+        out = model(torch.tensor([tokens]), output_router_logits=True)
+    k = model.config.num_experts_per_tok
+    return torch.stack([logits.topk(k, dim=-1).indices for logits in out.router_logits], dim=1)
+
+
+def test_resumed_samples_keep_the_routes_their_tokens_were_generated_with(url, models, hf):
+    groups, counters = generate_across_syncs(
+        url, partial=True, max_new_tokens=120, start=20, syncs=[(models["B"], 21)],
+        delay_s=0.1, take=3, routes=True)
+    weights_of = {20: "A", 21: "B"}
+    resumed = [s for g in groups for s in g.samples if s.token_weight_versions is not None]
+    assert counters.resumed > 0 and resumed
+    for s in resumed:
+        fed = s.prompt_ids + s.response_ids[:-1]
+        versions = token_versions(s)
+        # row len(prompt) - 1 + i produced response token i; the prompt's other rows were
+        # recorded by the first segment
+        row_versions = [versions[0]] * (len(s.prompt_ids) - 1) + versions
+        assert s.routed_experts.shape[0] == len(fed) == len(row_versions)
+        by_model = {k: hf_routes(m, fed).to(torch.int16) for k, m in hf.items()}
+        expected = torch.stack([by_model[weights_of[v]][t] for t, v in enumerate(row_versions)])
+        assert torch.equal(s.routed_experts, expected), s.rid
+        # the continuation's prefill (the newest weights over every earlier token) differs
+        assert not torch.equal(s.routed_experts, by_model[weights_of[versions[-1]]]), s.rid
+    check_attribution(groups, weights_of, hf)

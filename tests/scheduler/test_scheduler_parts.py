@@ -123,6 +123,32 @@ def test_continuation_and_merge_keep_the_prefix_and_attribute_tokens():
         merge(first, sample([1], "2", prompt=[1, 2, 3]))
 
 
+def test_merge_keeps_the_routes_recorded_before_the_abort():
+    import torch
+
+    def routed(response, version, prompt, fill):
+        s = sample(response, version, reason="abort", prompt=prompt)
+        s.routed_experts = torch.full((len(prompt) + len(response) - 1, 2, 2), fill,
+                                      dtype=torch.int16)
+        return s
+
+    first = routed([7, 8], "1", [1, 2, 3], fill=1)  # rows of tokens 1 2 3 7
+    second = routed([9, 10], "2", [1, 2, 3, 7, 8], fill=2)  # recomputed 1 2 3 7, then 8 9
+    third = routed([11], "3", [1, 2, 3, 7, 8, 9, 10], fill=3)
+    done = merge(merge(first, second), third)
+    rows = done.routed_experts[:, 0, 0].tolist()
+    assert rows == [1, 1, 1, 1, 2, 2, 3]  # one row per token fed: prompt + response - 1
+    # each response token's row is that of the weights that sampled it
+    assert done.response_routed_experts()[:, 0, 0].tolist() == [
+        int(v) for v in done.token_weight_versions]
+    empty = sample([], "2", reason="abort", prompt=[1, 2, 3, 7, 8])
+    assert torch.equal(merge(first, empty).routed_experts, first.routed_experts)
+    short = routed([9], "2", [1, 2, 3, 7, 8], fill=2)
+    short.routed_experts = short.routed_experts[:2]
+    with pytest.raises(ValueError, match="routed experts"):
+        merge(first, short)
+
+
 def test_zero_variance_groups():
     import torch
 
