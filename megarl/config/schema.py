@@ -152,9 +152,16 @@ class SchedulerConfig(Section):
     staleness_threshold: float = Field(0.1, ge=0, description=(
         "fully_async: how far generation may run ahead of training, in weight pushes: at most "
         "(1 + threshold) x the groups consumed per push are generated per push (verl's "
-        "fraction of extra samples), and a consumed sample is at most ceil(threshold) pushes "
-        "old (older ones are dropped, counted in fully_async/count/stale_dropped, and "
-        "regenerated); 0 with trigger_parameter_sync_step=1 = on-policy, equal to "
+        "fraction of extra samples), and the newest tokens of a consumed group (a prompt's "
+        "rollout.n samples) are at most ceil(threshold) pushes old (older groups are dropped, "
+        "counted in fully_async/count/stale_dropped, and replaced). A group is as fresh as its "
+        "newest segment: tokens generated before a push (a partial rollout resumed after it, a "
+        "sibling that finished while a long one went on) may be older, keep their own weight "
+        "versions and engine log-probs (rollout correction weighs them) and count in "
+        "staleness/*, which is by each sample's oldest token; bounding the oldest token "
+        "instead would drop exactly the groups with samples long enough to span pushes and "
+        "bias training to short responses. 0 with trigger_parameter_sync_step=1 = on-policy, "
+        "equal to "
         "colocate_sync"))
     trigger_parameter_sync_step: int = Field(4, ge=1, description=(
         "fully_async: trainer steps (each consumes data.train_batch_size prompts' groups; set "

@@ -5,8 +5,9 @@ Per step, on the trainer thread:
 
 1. take ``data.train_batch_size`` groups from the queue in the order they finished, waiting
    while fewer are ready; drop (and count) groups older than ``ceil(staleness_threshold)``
-   weight pushes; with dynamic sampling (``algorithm.filter_groups``) score them and drop groups
-   whose rewards all agree; the rollout generates a replacement for every group dropped;
+   weight pushes (by the group's newest segment, see :mod:`.staleness`); with
+   dynamic sampling (``algorithm.filter_groups``) score them and drop groups whose rewards all
+   agree; the rollout generates a replacement for every group dropped;
 2. train on them (:meth:`Trainer.train_on`), in prompt order;
 3. every ``trigger_parameter_sync_step`` steps: quiesce the rollout (pause with partial
    rollout, else let in-flight groups finish), push the weights, resume.

@@ -11,7 +11,7 @@ with seed ``seed + j``, the same seeds a synchronous step would use) whenever tw
   been started by the time the engines hold the ``u``-th push since the start. With threshold 0
   the rollout generates exactly what the trainer consumes before the next push, so training is
   on-policy; with threshold ``s`` a sample is normally consumed within ``ceil(s)`` pushes of its
-  generation (the trainer drops any that are older).
+  group's last segment (the trainer drops any group that is older).
 
 At a weight sync :meth:`Rollouter.pause_for_sync` either pauses the engines with ``mode=abort``
 (``partial_rollout``: in-flight samples return their tokens so far and are continued after the

@@ -4,7 +4,15 @@ A weight version is the number of weight pushes the engines have received (the t
 ``weight_version``); engines stamp it on every sample as a string. A sample's *staleness* at
 consumption is the trainer's ``weight_version`` minus the version of its oldest token: 0 means
 on-policy, 1 means generated with the weights from one push earlier. A partial rollout that was
-resumed under newer weights counts by its oldest token, the conservative choice.
+resumed under newer weights reports by its oldest token (the ``staleness/*`` metrics).
+
+The bound ``fully_async`` enforces (:func:`within_bound`) is on a group's *newest* segment,
+the weights that finished its last sample: a group is as fresh as its newest segment. Its
+earlier tokens (those of a partial rollout before the push that paused it, and the samples that
+finished while a longer sibling went on) keep their own weight versions and engine log-probs,
+so rollout correction weighs each token by the weights that sampled it. Bounding the oldest
+token instead drops precisely the groups with samples long enough to span weight pushes, and
+trains on shorter responses than a synchronous run would (issue 20).
 """
 
 from __future__ import annotations
@@ -46,14 +54,25 @@ def oldest_version(sample: RolloutSample) -> int:
     return min(versions)
 
 
+def newest_version(sample: RolloutSample) -> int:
+    """The version of the weights that generated the sample's last segment."""
+    versions = token_versions(sample)
+    if not versions:
+        return parse_version(sample.weight_version, f"sample {sample.rid or sample.prompt_index}")
+    return max(versions)
+
+
 def staleness(samples: Sequence[RolloutSample], trainer_version: int) -> list[int]:
     """Staleness of each sample when consumed at ``trainer_version``."""
     return [trainer_version - oldest_version(s) for s in samples]
 
 
 def within_bound(samples: Sequence[RolloutSample], trainer_version: int, max_lag: int) -> bool:
-    """Whether every sample is at most ``max_lag`` versions old at ``trainer_version``."""
-    return all(trainer_version - oldest_version(s) <= max_lag for s in samples)
+    """Whether the newest segment of a group's ``samples`` is at most ``max_lag`` versions
+    old at ``trainer_version`` (see the module docstring)."""
+    if not samples:
+        return True
+    return trainer_version - max(newest_version(s) for s in samples) <= max_lag
 
 
 def staleness_metrics(values: Sequence[int]) -> dict[str, float]:

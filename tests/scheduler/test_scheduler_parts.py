@@ -17,6 +17,7 @@ from megarl.scheduler.queue import SampleGroup, SampleQueue
 from megarl.scheduler.rollouter import StalenessBudget
 from megarl.scheduler.staleness import (
     VersionError,
+    newest_version,
     oldest_version,
     staleness,
     staleness_metrics,
@@ -37,12 +38,16 @@ def group(ordinal: int, size: int = 2, version: str = "0") -> SampleGroup:
     return SampleGroup(ordinal, {"input_ids": [1]}, [sample([5, 6], version)] * size)
 
 
-def test_staleness_counts_the_oldest_token():
+def test_staleness_reports_the_oldest_token_and_bounds_the_newest_segment():
     fresh, resumed = sample([4, 5], "3"), sample([4, 5, 6], "4", versions=["2", "2", "4"])
     assert token_versions(resumed) == [2, 2, 4]
     assert oldest_version(resumed) == 2 and oldest_version(sample([], "3")) == 3
+    assert newest_version(resumed) == 4 and newest_version(sample([], "3")) == 3
     assert staleness([fresh, resumed], 4) == [1, 2]
-    assert within_bound([fresh, resumed], 4, 2) and not within_bound([fresh, resumed], 4, 1)
+    # a resumed sample, and a group, is as fresh as its newest segment
+    assert within_bound([resumed], 4, 0) and within_bound([fresh, resumed], 4, 0)
+    assert not within_bound([fresh], 4, 0) and within_bound([fresh], 4, 1)
+    assert not within_bound([fresh, resumed], 5, 0) and within_bound([], 9, 0)
     assert staleness_metrics([1, 2, 2, 0]) == {
         "staleness/mean": 1.25, "staleness/max": 2.0, "staleness/count_0": 1.0,
         "staleness/count_1": 1.0, "staleness/count_2": 2.0}
