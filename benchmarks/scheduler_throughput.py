@@ -15,7 +15,9 @@ is over all its rounds.
 
 Reported per mode: trained response tokens per second of wall time, its ratio to
 colocate_sync, the trainer's and the rollout's idle ratios (means over the timed steps), mean
-staleness, and for fully_async the partial and dropped counts. A JSON file and a PNG go to
+staleness, the distribution of trained response lengths (mean, quantiles, max: a scheduler
+that drops or delays long samples trains on shorter ones than colocate_sync), and for
+fully_async the partial and dropped counts. A JSON file and a PNG go to
 ``--out``.
 
     python benchmarks/scheduler_throughput.py                 # CPU, a few minutes
@@ -106,14 +108,24 @@ def build_trainer(out: Path, args: argparse.Namespace) -> Trainer:
 
 
 def run_mode(trainer: Trainer, mode: str, args: argparse.Namespace,
-             make_client: Callable[[], SGLangClient]) -> tuple[float, list[dict[str, float]]]:
-    """Warm-up and timed steps of one scheduler: the timed steps' wall time and metrics."""
+             make_client: Callable[[], SGLangClient],
+             lengths: list[int]) -> tuple[float, list[dict[str, float]]]:
+    """Warm-up and timed steps of one scheduler: the timed steps' wall time and metrics; the
+    response lengths of the samples trained in the timed steps are appended to ``lengths``."""
     cfg = SchedulerConfig(mode=mode, staleness_threshold=args.staleness,
                           trigger_parameter_sync_step=1, partial_rollout=True)
     trainer.steps_done = 0
     trainer.loader.load_state_dict(args.loader_start)
     scheduler = build_scheduler(trainer, cfg, make_client=make_client)
-    history = []
+    history: list[dict[str, float]] = []
+    train_on = trainer.train_on
+
+    def recording_train_on(batch: Any, metrics: dict[str, float]) -> None:
+        if len(history) >= args.warmup:
+            lengths.extend(len(s.response_ids) for s in batch.samples)
+        train_on(batch, metrics)
+
+    trainer.train_on = recording_train_on  # type: ignore[method-assign]
     try:
         total = args.warmup + args.steps
         for k in range(total):
@@ -123,13 +135,28 @@ def run_mode(trainer: Trainer, mode: str, args: argparse.Namespace,
         wall = time.perf_counter() - start
         scheduler.finish()
     finally:
+        del trainer.train_on
         scheduler.close()
     return wall, history[args.warmup:]
 
 
+def length_distribution(lengths: list[int]) -> dict[str, float]:
+    """Mean, quantiles and maximum of trained response lengths."""
+    ordered = sorted(lengths)
+
+    def quantile(q: float) -> float:
+        return float(ordered[min(len(ordered) - 1, int(q * len(ordered)))])
+
+    return {"trained_length_mean": sum(ordered) / len(ordered), "trained_length_p50":
+            quantile(0.5), "trained_length_p90": quantile(0.9), "trained_length_p99":
+            quantile(0.99), "trained_length_max": float(ordered[-1]),
+            "trained_samples": float(len(ordered))}
+
+
 def summarize(mode: str, walls: list[float], timed: list[dict[str, float]],
-              samples_per_step: int) -> dict[str, float]:
-    """Throughput over every round of a mode, and the means of its per-step metrics."""
+              samples_per_step: int, lengths: list[int]) -> dict[str, float]:
+    """Throughput over every round of a mode, the means of its per-step metrics, and its
+    trained length distribution."""
     tokens = sum(m["response_length/mean"] * samples_per_step for m in timed)
 
     def mean(key: str) -> float:
@@ -142,7 +169,8 @@ def summarize(mode: str, walls: list[float], timed: list[dict[str, float]],
               "rollouter_idle_ratio": mean(f"{mode}/rollouter/idle_ratio"),
               "staleness_mean": mean("staleness/mean"),
               "response_length_mean": mean("response_length/mean"),
-              "response_length_max": max(m["response_length/max"] for m in timed)}
+              "response_length_max": max(m["response_length/max"] for m in timed),
+              **length_distribution(lengths)}
     if mode == "fully_async":
         result["partial_samples"] = sum(m["fully_async/partial/count"] for m in timed)
         result["stale_dropped_groups"] = sum(m["fully_async/count/stale_dropped"] for m in timed)
@@ -221,15 +249,16 @@ def main(argv: list[str]) -> int:
 
         trainer.run(trainer.workers.client.close())
         trainer.workers.client = make_client()  # colocate_sync generates through this one
-        runs: dict[str, tuple[list[float], list[dict[str, float]]]] = {m: ([], []) for m in MODES}
+        runs: dict[str, tuple[list[float], list[dict[str, float]], list[int]]] = {
+            m: ([], [], []) for m in MODES}
         for round_index in range(args.rounds):  # interleaved: load drift hits every mode
             for mode in MODES:
-                wall, timed = run_mode(trainer, mode, args, make_client)
+                wall, timed = run_mode(trainer, mode, args, make_client, runs[mode][2])
                 runs[mode][0].append(wall)
                 runs[mode][1].extend(timed)
                 print(f"round {round_index} {mode}: {wall:.2f} s", flush=True)
-        for mode, (walls, timed) in runs.items():
-            results[mode] = summarize(mode, walls, timed, args.prompts * args.n)
+        for mode, (walls, timed, lengths) in runs.items():
+            results[mode] = summarize(mode, walls, timed, args.prompts * args.n, lengths)
     finally:
         trainer.close()
     base = results["colocate_sync"]["tokens_per_s"]
@@ -249,6 +278,12 @@ def main(argv: list[str]) -> int:
         print(f"{mode:<15}{r['tokens_per_s']:>10.1f}{r['relative_throughput']:>8.2f}"
               f"{r['trainer_idle_ratio']:>14.2f}{r['rollouter_idle_ratio']:>14.2f}"
               f"{r['staleness_mean']:>11.2f}")
+    print(f"{'mode':<15}{'trained response length: mean':>30}{'p50':>6}{'p90':>6}{'p99':>6}"
+          f"{'max':>6}{'dropped groups':>16}")
+    for mode, r in results.items():
+        print(f"{mode:<15}{r['trained_length_mean']:>30.1f}{r['trained_length_p50']:>6.0f}"
+              f"{r['trained_length_p90']:>6.0f}{r['trained_length_p99']:>6.0f}"
+              f"{r['trained_length_max']:>6.0f}{r.get('stale_dropped_groups', 0):>16.0f}")
     print(f"wrote {args.out / 'scheduler_throughput.json'} and "
           f"{args.out / 'scheduler_throughput.png'}")
     return 0
