@@ -176,6 +176,9 @@ def hf_routes(model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
 
 
 def test_resumed_samples_keep_the_routes_their_tokens_were_generated_with(url, models, hf):
+    loaded = httpx.post(url + "/update_weights_from_disk", timeout=120,
+                        json={"model_path": str(models["A"])})  # an earlier test left B loaded
+    assert loaded.json()["success"], loaded.text
     groups, counters = generate_across_syncs(
         url, partial=True, max_new_tokens=120, start=20, syncs=[(models["B"], 21)],
         delay_s=0.1, take=3, routes=True)
