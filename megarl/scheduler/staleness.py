@@ -10,7 +10,8 @@ The bound ``fully_async`` enforces (:func:`within_bound`) is on a group's *newes
 the weights that finished its last sample: a group is as fresh as its newest segment. Its
 earlier tokens (those of a partial rollout before the push that paused it, and the samples that
 finished while a longer sibling went on) keep their own weight versions and engine log-probs,
-so rollout correction weighs each token by the weights that sampled it. Bounding the oldest
+so rollout correction (``algorithm.rollout_correction``, when on) weighs each token by the
+weights that sampled it. Bounding the oldest
 token instead drops precisely the groups with samples long enough to span weight pushes, and
 trains on shorter responses than a synchronous run would (issue 20).
 """
