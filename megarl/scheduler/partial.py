@@ -64,7 +64,8 @@ def stitch_routes(prefix: RolloutSample, piece: RolloutSample) -> torch.Tensor |
     weights), then the continuation's rows from there on (the forward steps whose logits
     sampled its tokens, the first being the prefill of the prefix's last token). The
     continuation's rows before that are its prefill's recomputation under the new weights and
-    are dropped."""
+    are dropped. Without routes of the prefix (an engine that returns none for an aborted
+    request) only the continuation's, recomputed ones, are there to use."""
     if piece.routed_experts is None or prefix.routed_experts is None:
         return prefix.routed_experts if not piece.response_ids else piece.routed_experts
     kept = len(prefix.prompt_ids) + len(prefix.response_ids) - 1
