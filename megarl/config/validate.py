@@ -383,18 +383,23 @@ def check_reference_for_kl(ctx: Context) -> Iterator[Problem]:
 
 
 def check_policy_loss_settings(ctx: Context) -> Iterator[Problem]:
-    """GSPO uses sequence-level ratios: small clip ratios, sequence-mean aggregation."""
+    """GSPO and GMPO are sequence-level objectives: sequence-mean aggregation, small GSPO clips."""
     actor = ctx.cfg.actor
-    if actor.policy_loss.loss_mode != "gspo":
-        return
-    if actor.loss_agg_mode != "seq-mean-token-mean":
-        yield warning(("actor.policy_loss.loss_mode", "actor.loss_agg_mode"), "GSPO is defined "
-                      f"with sequence-mean aggregation, not {actor.loss_agg_mode}",
-                      "set actor.loss_agg_mode=seq-mean-token-mean")
-    if max(actor.clip_ratio_low, actor.clip_ratio_high) > 0.01:
+    mode = actor.policy_loss.loss_mode
+    if mode in ("gspo", "geo_mean") and actor.loss_agg_mode != "seq-mean-token-mean":
+        paper = "GSPO" if mode == "gspo" else "GMPO"
+        yield error(("actor.policy_loss.loss_mode", "actor.loss_agg_mode"), f"{paper} "
+                    f"(loss_mode={mode}) is a sequence-level objective: a mean over sequences of "
+                    f"one loss per sequence; loss_agg_mode={actor.loss_agg_mode} would train "
+                    "another objective", "set actor.loss_agg_mode=seq-mean-token-mean")
+    if mode == "gspo" and max(actor.clip_ratio_low, actor.clip_ratio_high) > 0.01:
         yield warning(("actor.clip_ratio_low", "actor.clip_ratio_high"), "GSPO's sequence ratios "
                       "are geometric means near 1; clip ratios this large never clip",
                       "use clip_ratio_low=3e-4 and clip_ratio_high=4e-4 (GSPO paper)")
+    if mode == "clip_cov" and actor.policy_loss.clip_cov_lb >= actor.policy_loss.clip_cov_ub:
+        yield error(("actor.policy_loss.clip_cov_lb", "actor.policy_loss.clip_cov_ub"),
+                    "the covariance band is empty", "set clip_cov_lb < clip_cov_ub "
+                    "(the paper: 1 and 5)")
 
 
 def check_rollout_correction(ctx: Context) -> Iterator[Problem]:
