@@ -85,9 +85,6 @@ NOT_BUILT = (
      and c.scheduler.mode != "fully_async",
      ("dynamic sampling is built into scheduler.mode=fully_async only yet; set "
       "scheduler.mode=fully_async or algorithm.filter_groups.enable=false")),
-    ("algorithm.adv_estimator", lambda c: c.algorithm.adv_estimator == "reinforce_plus_plus",
-     "the token-level-reward estimator reinforce_plus_plus is not wired yet; use grpo, rloo or "
-     "gae"),
     ("algorithm.rollout_correction.bypass_mode",
      lambda c: c.algorithm.rollout_correction.bypass_mode and (
          c.algorithm.rollout_correction.rollout_is or c.algorithm.rollout_correction.rollout_rs),
@@ -408,12 +405,13 @@ class Trainer:
     def compute_advantages(self, batch: StepBatch, values: list[list[float]] | None = None,
                            metrics: dict[str, float] | None = None) -> CriticTargets | None:
         """Advantages per response token (the estimator of ``algorithm.adv_estimator``) from the
-        token-level rewards (grpo/rloo: their sum per sample); with gae, from the critic's
+        token-level rewards (outcome estimators: their sum per sample; reinforce_plus_plus: the
+        token-level rewards themselves); with gae, from the critic's
         ``values``, returning the critic's targets. The KL metrics go into ``metrics``."""
         alg = self.cfg.algorithm
-        if alg.adv_estimator not in ("grpo", "rloo", "gae"):
-            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r} is not run by this "
-                             "trainer yet; use grpo, rloo or gae")
+        if alg.adv_estimator == "remax":
+            raise ValueError("algorithm.adv_estimator=remax needs a greedy baseline rollout, "
+                             "which this trainer does not generate; use grpo, rloo or opo")
         rewards, kl_metrics = self.token_level_rewards(batch)
         if metrics is not None:
             metrics.update(kl_metrics)
@@ -425,9 +423,13 @@ class Trainer:
                                                           lam=alg.lam, token_level_rewards=rewards)
             return targets
         mask = batch.response_mask()
-        inputs: dict[str, Any] = {"scores": (rewards * mask).sum(dim=-1), "response_mask": mask,
-                                  "index": batch.group_index()}
-        if alg.adv_estimator == "grpo":
+        if alg.adv_estimator == "reinforce_plus_plus":  # token-level: returns-to-go, whitened
+            inputs: dict[str, Any] = {"token_level_rewards": rewards * mask,
+                                      "response_mask": mask, "gamma": alg.gamma}
+        else:  # outcome estimators over the groups of one prompt
+            inputs = {"scores": (rewards * mask).sum(dim=-1), "response_mask": mask,
+                      "index": batch.group_index()}
+        if alg.adv_estimator in ("grpo", "grpo_passk"):
             inputs["norm_adv_by_std_in_grpo"] = alg.norm_adv_by_std_in_grpo
         batch.advantages, _ = compute_advantages(alg.adv_estimator, **inputs)
         return None

@@ -121,10 +121,19 @@ class RolloutCorrectionConfig(Section):
 class AlgorithmConfig(Section):
     """Advantage estimation, reward-side KL, dynamic sampling and rollout correction."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
-        "grpo", description="advantage estimator; gae needs the critic")
+    adv_estimator: Literal["grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus",
+                           "reinforce_plus_plus_baseline", "remax", "gae"] = Field(
+        "grpo", description=(
+            "advantage estimator: grpo (group-normalised), grpo_passk (only each group's best "
+            "sample, credited r_max - r_second), rloo (leave-one-out), opo (length-weighted "
+            "group mean as baseline), gpg (group-centred, scaled by B / (B - M) for the M "
+            "samples of groups without reward spread), reinforce_plus_plus (discounted "
+            "returns-to-go of the token rewards, whitened over the batch), "
+            "reinforce_plus_plus_baseline (group-centred, whitened over the batch), gae (needs "
+            "the critic); remax (greedy-rollout baseline) is refused: the greedy baseline "
+            "rollout is not built"))
     norm_adv_by_std_in_grpo: bool = Field(True, description=(
-        "GRPO: divide by the group's reward std (false = Dr. GRPO)"))
+        "grpo, grpo_passk: divide by the group's reward std (false = Dr. GRPO)"))
     gamma: float = Field(1.0, ge=0, le=1, description="discount factor (gae, reinforce++)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
     use_kl_in_reward: bool = Field(False, description=(

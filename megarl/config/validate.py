@@ -342,11 +342,14 @@ def check_critic_offload(ctx: Context) -> Iterator[Problem]:
                         "the reference's are)", f"set critic.offload.{name}=false")
 
 
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline")
+
+
 def check_group_size(ctx: Context) -> Iterator[Problem]:
     """Group-relative estimators and dynamic sampling need several responses per prompt."""
     cfg = ctx.cfg
     n, estimator = cfg.rollout.n, cfg.algorithm.adv_estimator
-    if n < 2 and estimator in ("grpo", "rloo"):
+    if n < 2 and estimator in GROUP_ESTIMATORS:
         yield error(("rollout.n", "algorithm.adv_estimator"), f"{estimator} compares responses "
                     "to the same prompt but rollout.n=1 gives every advantage 0",
                     "set rollout.n=8 (or any n >= 2)")
@@ -354,6 +357,14 @@ def check_group_size(ctx: Context) -> Iterator[Problem]:
         yield error(("rollout.n", "algorithm.filter_groups.enable"), "dynamic sampling drops "
                     "groups without reward variance; a group of 1 never has any",
                     "set rollout.n >= 2")
+
+
+def check_estimator_is_built(ctx: Context) -> Iterator[Problem]:
+    """ReMax's baseline is the reward of a greedy response per prompt, which is not generated."""
+    if ctx.cfg.algorithm.adv_estimator == "remax":
+        yield error("algorithm.adv_estimator", "remax needs a greedy (temperature 0) baseline "
+                    "rollout per prompt and its reward; the trainer does not generate one yet",
+                    "use algorithm.adv_estimator=grpo, rloo or opo")
 
 
 def check_critic_for_gae(ctx: Context) -> Iterator[Problem]:
@@ -560,7 +571,7 @@ RULES: tuple[Rule, ...] = (
     *LAYOUT_RULES,
     check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
     check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
-    check_critic_offload, check_group_size,
+    check_critic_offload, check_group_size, check_estimator_is_built,
     check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_cuda_graphs, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,
