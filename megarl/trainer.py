@@ -507,11 +507,13 @@ class Trainer:
         """IS weights and the rejection mask between old and rollout log-probs; their
         ``rollout_corr/*`` metrics."""
         rc = self.cfg.algorithm.rollout_correction
+        is_lower, is_upper = rc.is_bounds()
         weights, batch.loss_mask, corr = compute_rollout_correction(
             batch.padded(batch.old_log_probs), batch.rollout_log_probs(), batch.response_mask(),
-            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-            rollout_rs=rc.rollout_rs,
-            rollout_rs_threshold=(rc.rollout_rs_threshold_lower, rc.rollout_rs_threshold or 2.0))
+            rollout_is=rc.rollout_is, rollout_is_threshold=is_upper,
+            rollout_is_threshold_lower=is_lower,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+            rollout_rs=rc.rs_criteria() or None, rollout_rs_threshold=rc.rs_bounds())
         batch.rollout_is_weights = weights
         return {f"rollout_corr/{k}": float(v) for k, v in corr.items()
                 if not k.startswith("rollout_probs_diff")}

@@ -414,24 +414,58 @@ def check_policy_loss_settings(ctx: Context) -> Iterator[Problem]:
 
 
 def check_rollout_correction(ctx: Context) -> Iterator[Problem]:
-    """Rejection sampling needs a threshold; truncation below 1 shrinks every weight."""
+    """Rejection sampling needs a threshold per criterion; truncation below 1 shrinks every
+    weight; a k1 bound that reads as verl's (on -log ratio) is flagged."""
     rc = ctx.cfg.algorithm.rollout_correction
     prefix = "algorithm.rollout_correction."
-    if rc.rollout_is is not None and rc.rollout_is_threshold <= 1:
-        yield warning(prefix + "rollout_is_threshold", f"a truncation at {rc.rollout_is_threshold} "
+    is_lower, is_upper = rc.is_bounds()
+    if rc.rollout_is is not None and is_lower is None and is_upper <= 1:
+        yield warning(prefix + "rollout_is_threshold", f"a truncation at {is_upper} "
                       "<= 1 down-weights on-policy tokens too",
                       f"use {prefix}rollout_is_threshold=2.0")
-    if rc.rollout_rs is not None and rc.rollout_rs_threshold is None:
-        example = "2.0" if rc.rollout_rs.endswith("k1") else "0.01"
+    criteria = rc.rs_criteria()
+    if criteria and rc.rollout_rs_threshold is None:
+        example = "2.0" if criteria[0].endswith("k1") else "0.01"
         yield error((prefix + "rollout_rs", prefix + "rollout_rs_threshold"), f"rejection "
                     f"sampling {rc.rollout_rs} has no threshold",
                     f"set {prefix}rollout_rs_threshold (e.g. {example})")
-    if (rc.rollout_rs is not None and rc.rollout_rs.endswith("k1") and rc.rollout_rs_threshold
-            and rc.rollout_rs_threshold_lower
-            and rc.rollout_rs_threshold_lower >= rc.rollout_rs_threshold):
-        yield error((prefix + "rollout_rs_threshold_lower", prefix + "rollout_rs_threshold"),
-                    "the lower ratio bound is not below the upper one",
-                    f"use {prefix}rollout_rs_threshold_lower={1 / rc.rollout_rs_threshold:.3g}")
+        return
+    bounds = rc.rs_bounds()
+    if len(bounds) != len(criteria):
+        yield error((prefix + "rollout_rs_threshold", prefix + "rollout_rs"), f"{len(bounds)} "
+                    f"thresholds for {len(criteria)} criteria ({rc.rollout_rs})",
+                    "give one threshold for all criteria or one per criterion, comma-separated")
+        return
+    for criterion, (lower, upper) in zip(criteria, bounds):
+        yield from _check_rs_bounds(criterion, lower, upper, prefix)
+
+
+def _check_rs_bounds(criterion: str, lower: float | None, upper: float,
+                     prefix: str) -> Iterator[Problem]:
+    """One criterion's bounds: ratio bounds around 1 for k1, a positive upper for k2/k3."""
+    field = prefix + "rollout_rs_threshold"
+    if not criterion.endswith("k1"):
+        if lower is not None or upper <= 0:
+            given = upper if lower is None else f"{lower}_{upper}"
+            yield error(field, f"{criterion} bounds a divergence: it takes one upper bound > 0, "
+                        f"got {given}", f"give {criterion} a single upper bound such as 0.01")
+        return
+    low = lower if lower is not None else (1 / upper if upper > 0 else 0.0)
+    band = f"{lower}_{upper}" if lower is not None else f"{upper} (lower 1/{upper})"
+    verl_fix = (f"megarl bounds the ratio pi_old / mu; verl's k1 'a_b' bounds -log ratio and "
+                f"is megarl's 'exp(-b)_exp(-a)': use {field}='{math.exp(-upper):.3g}_"
+                f"{math.exp(-low):.3g}'" if lower is not None else
+                f"megarl bounds the ratio pi_old / mu (verl bounds -log ratio); use e.g. "
+                f"{field}=2.0")
+    if upper <= 0 or low < 0:
+        yield error(field, f"{criterion}: {band} are not ratio bounds (a ratio is > 0)",
+                    verl_fix)
+    elif low > upper:
+        yield error((prefix + "rollout_rs_threshold_lower", field), f"{criterion}: the ratio "
+                    f"band {band} is empty", verl_fix)
+    elif low > 1 or upper < 1:
+        yield warning(field, f"{criterion}: the ratio band {band} rejects the on-policy ratio "
+                      "1; this looks like verl's convention", verl_fix)
 
 
 def check_router_replay(ctx: Context) -> Iterator[Problem]:
