@@ -86,7 +86,8 @@ def rollout_is_weights(
     rollout_is_std, rollout_is_eff_sample_size = mean(w)^2 / mean(w^2) (scale-free, so the same
     before and after normalisation; 1 = all weights equal), rollout_is_ratio_fraction_high /
     _low (ratio above threshold / below lower, or 1 / threshold without lower),
-    rollout_is_truncated_fraction (= _high), rollout_is_batch_norm_factor (the mean divided by; 1 without normalisation).
+    rollout_is_truncated_fraction (= _high), rollout_is_batch_norm_factor (the mean divided by;
+    1 without normalisation).
     """
     if level not in IS_LEVELS:
         raise ValueError(
