@@ -64,6 +64,7 @@ from megarl.metrics.timing import reduce_metrics, throughput_metrics, timer
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
 from megarl.rollout.interface import RolloutSample, SamplingParams
 from megarl.scheduler import build_scheduler
+from megarl.scheduler.dynamic_sampling import fill_with_varied_groups
 from megarl.trainer_checkpoint import resume_run, save_due, save_run_checkpoint
 from megarl.trainer_critic import (
     CriticTargets,
@@ -81,10 +82,6 @@ NOT_BUILT = (
       "colocated) or update_weights_from_distributed (nccl; gloo on CPU); the nixl and disk "
       "transports run in `megarl bench weight-sync` only so far; set "
       "checkpoint_engine.backend=auto")),
-    ("algorithm.filter_groups.enable", lambda c: c.algorithm.filter_groups.enable
-     and c.scheduler.mode != "fully_async",
-     ("dynamic sampling is built into scheduler.mode=fully_async only yet; set "
-      "scheduler.mode=fully_async or algorithm.filter_groups.enable=false")),
     ("algorithm.rollout_correction.bypass_mode",
      lambda c: c.algorithm.rollout_correction.bypass_mode and (
          c.algorithm.rollout_correction.rollout_is or c.algorithm.rollout_correction.rollout_rs),
@@ -268,6 +265,9 @@ class Trainer:
         start = time.perf_counter()
         with timer("gen", metrics):
             batch = self.generate(prompts)
+        if self.cfg.algorithm.filter_groups.enable:  # before the engines leave the devices
+            batch = fill_with_varied_groups(
+                self, batch, lambda: self.generate(self.loader.next_batch()), metrics)
         if self.cfg.rollout.colocate:
             with timer("release_rollout", metrics):  # the engines leave the devices to training
                 self.engine_memory("release", ["kv_cache", "weights"])

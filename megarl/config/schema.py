@@ -94,7 +94,10 @@ class KLControlConfig(Section):
 class FilterGroupsConfig(Section):
     """DAPO dynamic sampling: drop prompt groups whose responses all score the same."""
 
-    enable: bool = Field(False, description="drop groups with zero reward variance and refill")
+    enable: bool = Field(False, description=(
+        "drop groups with zero reward variance and refill (every scheduler; colocate_sync and "
+        "one_step_off generate further batches of prompts until the step is full and log the "
+        "number of rounds as `train/num_gen_batches`)"))
     metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field("acc", description=(
         "per-response value whose variance decides whether a group is kept"))
     max_num_gen_batches: int = Field(0, ge=0, description=(

@@ -34,7 +34,7 @@ from megarl.config.estimates import estimate
 from megarl.config.model_info import load_model_info
 from megarl.config.schema import RunConfig
 from megarl.config.schema_common import Section
-from megarl.scheduler import fully_async
+from megarl.scheduler import dynamic_sampling, fully_async
 from megarl.trainer import Trainer
 
 
@@ -325,7 +325,7 @@ FIELDS: dict[str, Row] = {
     "algorithm.kl_ctrl.target_kl": spec(0.5, "kl_ctrl", KL_IN_REWARD,
                                         "algorithm.kl_ctrl.type=adaptive"),
     "algorithm.filter_groups.enable": reads(fully_async),
-    "algorithm.filter_groups.max_num_gen_batches": reads(fully_async),
+    "algorithm.filter_groups.max_num_gen_batches": reads(dynamic_sampling),
     "algorithm.rollout_correction.rollout_is": reads(trainer_module),
     "algorithm.rollout_correction.rollout_is_threshold": reads(trainer_module,
                                                                 "rollout_correction"),
