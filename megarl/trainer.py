@@ -64,6 +64,7 @@ from megarl.metrics.timing import reduce_metrics, throughput_metrics, timer
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
 from megarl.rollout.interface import RolloutSample, SamplingParams
 from megarl.scheduler import build_scheduler
+from megarl.scheduler.dynamic_sampling import fill_with_varied_groups
 from megarl.trainer_checkpoint import resume_run, save_due, save_run_checkpoint
 from megarl.trainer_critic import (
     CriticTargets,
@@ -81,13 +82,6 @@ NOT_BUILT = (
       "colocated) or update_weights_from_distributed (nccl; gloo on CPU); the nixl and disk "
       "transports run in `megarl bench weight-sync` only so far; set "
       "checkpoint_engine.backend=auto")),
-    ("algorithm.filter_groups.enable", lambda c: c.algorithm.filter_groups.enable
-     and c.scheduler.mode != "fully_async",
-     ("dynamic sampling is built into scheduler.mode=fully_async only yet; set "
-      "scheduler.mode=fully_async or algorithm.filter_groups.enable=false")),
-    ("algorithm.adv_estimator", lambda c: c.algorithm.adv_estimator == "reinforce_plus_plus",
-     "the token-level-reward estimator reinforce_plus_plus is not wired yet; use grpo, rloo or "
-     "gae"),
     ("algorithm.rollout_correction.bypass_mode",
      lambda c: c.algorithm.rollout_correction.bypass_mode and (
          c.algorithm.rollout_correction.rollout_is or c.algorithm.rollout_correction.rollout_rs),
@@ -271,6 +265,9 @@ class Trainer:
         start = time.perf_counter()
         with timer("gen", metrics):
             batch = self.generate(prompts)
+        if self.cfg.algorithm.filter_groups.enable:  # before the engines leave the devices
+            batch = fill_with_varied_groups(
+                self, batch, lambda: self.generate(self.loader.next_batch()), metrics)
         if self.cfg.rollout.colocate:
             with timer("release_rollout", metrics):  # the engines leave the devices to training
                 self.engine_memory("release", ["kv_cache", "weights"])
@@ -408,12 +405,13 @@ class Trainer:
     def compute_advantages(self, batch: StepBatch, values: list[list[float]] | None = None,
                            metrics: dict[str, float] | None = None) -> CriticTargets | None:
         """Advantages per response token (the estimator of ``algorithm.adv_estimator``) from the
-        token-level rewards (grpo/rloo: their sum per sample); with gae, from the critic's
+        token-level rewards (outcome estimators: their sum per sample; reinforce_plus_plus: the
+        token-level rewards themselves); with gae, from the critic's
         ``values``, returning the critic's targets. The KL metrics go into ``metrics``."""
         alg = self.cfg.algorithm
-        if alg.adv_estimator not in ("grpo", "rloo", "gae"):
-            raise ValueError(f"algorithm.adv_estimator={alg.adv_estimator!r} is not run by this "
-                             "trainer yet; use grpo, rloo or gae")
+        if alg.adv_estimator == "remax":
+            raise ValueError("algorithm.adv_estimator=remax needs a greedy baseline rollout, "
+                             "which this trainer does not generate; use grpo, rloo or opo")
         rewards, kl_metrics = self.token_level_rewards(batch)
         if metrics is not None:
             metrics.update(kl_metrics)
@@ -425,9 +423,13 @@ class Trainer:
                                                           lam=alg.lam, token_level_rewards=rewards)
             return targets
         mask = batch.response_mask()
-        inputs: dict[str, Any] = {"scores": (rewards * mask).sum(dim=-1), "response_mask": mask,
-                                  "index": batch.group_index()}
-        if alg.adv_estimator == "grpo":
+        if alg.adv_estimator == "reinforce_plus_plus":  # token-level: returns-to-go, whitened
+            inputs: dict[str, Any] = {"token_level_rewards": rewards * mask,
+                                      "response_mask": mask, "gamma": alg.gamma}
+        else:  # outcome estimators over the groups of one prompt
+            inputs = {"scores": (rewards * mask).sum(dim=-1), "response_mask": mask,
+                      "index": batch.group_index()}
+        if alg.adv_estimator in ("grpo", "grpo_passk"):
             inputs["norm_adv_by_std_in_grpo"] = alg.norm_adv_by_std_in_grpo
         batch.advantages, _ = compute_advantages(alg.adv_estimator, **inputs)
         return None
@@ -505,11 +507,13 @@ class Trainer:
         """IS weights and the rejection mask between old and rollout log-probs; their
         ``rollout_corr/*`` metrics."""
         rc = self.cfg.algorithm.rollout_correction
+        is_lower, is_upper = rc.is_bounds()
         weights, batch.loss_mask, corr = compute_rollout_correction(
             batch.padded(batch.old_log_probs), batch.rollout_log_probs(), batch.response_mask(),
-            rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-            rollout_rs=rc.rollout_rs,
-            rollout_rs_threshold=(rc.rollout_rs_threshold_lower, rc.rollout_rs_threshold or 2.0))
+            rollout_is=rc.rollout_is, rollout_is_threshold=is_upper,
+            rollout_is_threshold_lower=is_lower,
+            rollout_is_batch_normalize=rc.rollout_is_batch_normalize,
+            rollout_rs=rc.rs_criteria() or None, rollout_rs_threshold=rc.rs_bounds())
         batch.rollout_is_weights = weights
         return {f"rollout_corr/{k}": float(v) for k, v in corr.items()
                 if not k.startswith("rollout_probs_diff")}

@@ -85,7 +85,8 @@ def critic_spec(cfg: RunConfig) -> CriticSpec:
     return CriticSpec(
         model_path=c.model_path or cfg.model.path, dtype=cfg.model.dtype, sizes=sizes,
         optim=optim,
-        loss=ValueLossSettings(cliprange_value=c.cliprange_value, loss_agg_mode=a.loss_agg_mode),
+        loss=ValueLossSettings(cliprange_value=c.cliprange_value, loss_agg_mode=a.loss_agg_mode,
+                               norm_len=float(cfg.data.max_response_length)),
         max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
         recompute=recompute_settings(a.recompute))
 

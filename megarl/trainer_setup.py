@@ -72,7 +72,11 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
     loss = LossSettings(
         loss_mode=a.policy_loss.loss_mode, clip_ratio_low=a.clip_ratio_low,
         clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c,
-        loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
+        clip_cov_ratio=a.policy_loss.clip_cov_ratio, clip_cov_lb=a.policy_loss.clip_cov_lb,
+        clip_cov_ub=a.policy_loss.clip_cov_ub, kl_cov_ratio=a.policy_loss.kl_cov_ratio,
+        ppo_kl_coef=a.policy_loss.ppo_kl_coef, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
+        loss_agg_mode=a.loss_agg_mode, norm_len=float(cfg.data.max_response_length),
+        entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if a.use_dynamic_bsz:

@@ -1,4 +1,5 @@
-"""Advantage estimators: GRPO, RLOO, REINFORCE++ and GAE, as pure tensor functions.
+"""Advantage estimators: GRPO (and pass@k), RLOO, OPO, GPG, REINFORCE++ (and with a group
+baseline), ReMax and GAE, as pure tensor functions.
 
 Shapes: B sequences, T response positions. `response_mask` [B, T] marks response tokens (bool or
 0/1). Outcome rewards (`scores`) are one number per sequence, [B]; token-level rewards are
@@ -127,6 +128,128 @@ def rloo_advantages(
     return advantages, advantages
 
 
+def _group_stats(
+    scores: torch.Tensor, response_mask: torch.Tensor, index: GroupIndex
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dense group ids [B], 1/0 validity of each row [B], valid rows per group [G])."""
+    ids = _group_ids(index, scores.shape[0], scores.device)
+    valid = (response_mask.sum(dim=-1) > 0).to(scores.dtype)
+    return ids, valid, _group_sums(valid, ids)
+
+
+def grpo_passk_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+    *,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k GRPO (arXiv 2503.19595): only the best sample of each group is credited.
+
+    scores [B], response_mask [B, T], index: B group labels -> advantages, returns [B, T].
+    The group's best sample (the first one on a tie) gets r_max - r_second_max [/ (group std +
+    epsilon), unbiased std], every other sample 0; a group of one valid sample gets 0.
+    """
+    scores = _check_scores(scores, response_mask)
+    ids, valid, counts = _group_stats(scores, response_mask, index)
+    per_sequence = torch.zeros_like(scores)
+    for group in range(counts.numel()):
+        rows = torch.nonzero((ids == group) & (valid > 0)).squeeze(-1)
+        if rows.numel() < 2:
+            continue
+        top = torch.topk(scores[rows], 2)
+        advantage = top.values[0] - top.values[1]
+        if norm_adv_by_std_in_grpo:
+            advantage = advantage / (scores[rows].std() + epsilon)
+        per_sequence[rows[top.indices[0]]] = advantage
+    advantages = _broadcast(per_sequence, response_mask)
+    return advantages, advantages
+
+
+def opo_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (arXiv 2505.23585): score minus the length-weighted mean score of its group.
+
+    scores [B], response_mask [B, T], index: B group labels -> advantages, returns [B, T].
+    b = sum_j l_j r_j / sum_j l_j over the group's samples (l_j their response lengths), the
+    optimal baseline of the paper; a group of one valid sample gets 0.
+    """
+    scores = _check_scores(scores, response_mask)
+    ids, valid, counts = _group_stats(scores, response_mask, index)
+    lengths = response_mask.to(scores.dtype).sum(dim=-1) * valid
+    baseline = _group_sums(lengths * scores, ids) / _group_sums(lengths, ids).clamp(min=1)
+    per_sequence = (scores - baseline[ids]) * valid * (counts[ids] >= 2)
+    advantages = _broadcast(per_sequence, response_mask)
+    return advantages, advantages
+
+
+def gpg_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (arXiv 2504.02546): group-centred score, scaled up for the groups that carry none.
+
+    scores [B], response_mask [B, T], index: B group labels -> advantages, returns [B, T].
+    A = alpha (r - group mean) with alpha = B / (B - M), B the valid samples and M those in
+    groups whose rewards are all equal (their advantage is 0); this keeps the gradient's scale
+    when a loss averages over all B samples. (verl counts the samples with a non-zero reward as
+    B - M instead.) A group of one valid sample gets 0.
+    """
+    scores = _check_scores(scores, response_mask)
+    ids, valid, counts = _group_stats(scores, response_mask, index)
+    means = _group_sums(scores * valid, ids) / counts.clamp(min=1)
+    centred = (scores - means[ids]) * valid * (counts[ids] >= 2)
+    spread = _group_sums(centred.abs(), ids)[ids] > 0
+    informative = (spread.to(scores.dtype) * valid).sum()
+    alpha = valid.sum() / informative.clamp(min=1)
+    advantages = _broadcast(alpha * centred, response_mask)
+    return advantages, advantages
+
+
+def reinforce_plus_plus_baseline_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: GroupIndex,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (arXiv 2501.03262): score minus group mean, on every
+    token, then whitened over all valid tokens of the batch.
+
+    scores [B], response_mask [B, T], index: B group labels -> advantages, returns [B, T]
+    (returns equal advantages). A group of one valid sample has no baseline: its score is kept
+    as is (as in verl) before the whitening.
+    """
+    scores = _check_scores(scores, response_mask)
+    ids, valid, counts = _group_stats(scores, response_mask, index)
+    means = _group_sums(scores * valid, ids) / counts.clamp(min=1)
+    centred = (scores - means[ids] * (counts[ids] >= 2)) * valid
+    advantages = masked_whiten(_broadcast(centred, response_mask), response_mask)
+    return advantages, advantages
+
+
+def remax_advantages(
+    token_level_rewards: torch.Tensor,
+    reward_baselines: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (arXiv 2310.10505): undiscounted return-to-go minus the reward of the greedy
+    response to the same prompt.
+
+    token_level_rewards [B, T], reward_baselines [B] (the greedy response's score),
+    response_mask [B, T] -> advantages, returns [B, T].
+    """
+    returns = discounted_returns(token_level_rewards, response_mask, 1.0)
+    if reward_baselines.shape != returns.shape[:1]:
+        raise ValueError(f"reward_baselines: expected shape [{returns.shape[0]}], got "
+                         f"{tuple(reward_baselines.shape)}; one greedy score per sequence")
+    advantages = masked_fill_invalid(returns - reward_baselines.unsqueeze(-1), response_mask)
+    return advantages, returns
+
+
 def _check_token_level(rewards: torch.Tensor, response_mask: torch.Tensor, name: str) -> None:
     """Validate that a token-level tensor matches the [B, T] response mask."""
     if rewards.shape != response_mask.shape or rewards.dim() != 2:
@@ -201,8 +324,13 @@ def gae_advantages(
 
 ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
     "grpo": grpo_advantages,
+    "grpo_passk": grpo_passk_advantages,
     "rloo": rloo_advantages,
+    "opo": opo_advantages,
+    "gpg": gpg_advantages,
     "reinforce_plus_plus": reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+    "remax": remax_advantages,
     "gae": gae_advantages,
 }
 

@@ -7,10 +7,15 @@ positions; every input is [B, T] and `response_mask` marks the valid tokens.
 
   truncated IS, token level     w_t = min(exp(l_t), threshold)
   truncated IS, sequence level  w_i = min(exp(sum_t l_t), threshold), on every token of row i
+  IcePop-style band (a lower bound given): w = rho if lower <= rho <= upper, else 0 (masked,
+  not truncated)
+  batch-normalised: w / mean(w) (over valid tokens, or over non-empty rows at sequence level)
 
 Rejection sampling (verl's criteria, `<aggregation>_<estimator>`) keeps a token (token_*) or a
-whole row (seq_*) when its score is inside the bounds. Per-token estimators:
-  k1 = l_t                     kept if lower <= exp(score) <= upper   (a ratio bound)
+whole row (seq_*) when its score is inside the bounds; several criteria at once keep what every
+one of them keeps. Per-token estimators:
+  k1 = l_t                     kept if lower <= exp(score) <= upper   (a ratio bound; verl bounds
+                               -l_t instead: its "a_b" is megarl's exp(-b)..exp(-a))
   k2 = l_t^2 / 2               kept if score <= upper                 (a divergence bound)
   k3 = exp(l_t) - 1 - l_t      kept if score <= upper (its mean over mu estimates KL(mu||pi_old))
 aggregated per row by sum (seq_sum_*), mean (seq_mean_*; seq_mean_k1 is the geometric-mean
@@ -30,6 +35,8 @@ import torch
 from megarl.algo.masked import masked_fill_invalid, masked_mean, masked_std, masked_sum
 
 IS_LEVELS = ("token", "sequence")
+# Log-ratios of the max / min metrics and of chi-square are clamped here before exp.
+_RATIO_LOG_BOUND = 20.0
 RS_CRITERIA = (
     "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
     "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3",
@@ -65,29 +72,71 @@ def rollout_is_weights(
     *,
     level: str = "token",
     threshold: float = 2.0,
+    lower: float | None = None,
+    batch_normalize: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Truncated importance weights pi_old / mu at token or sequence level, [B, T], detached.
+    """Importance weights pi_old / mu at token or sequence level, [B, T], detached.
 
-    old_log_probs, rollout_log_probs, response_mask [B, T] -> (weights [B, T], metrics):
-    rollout_is_mean (mean weight over valid tokens), rollout_is_truncated_fraction (valid tokens
-    whose weight was capped at `threshold`).
+    old_log_probs, rollout_log_probs, response_mask [B, T] -> (weights [B, T], metrics).
+    lower None: weights truncated at `threshold`; lower given (IcePop): weights whose ratio lies
+    outside [lower, threshold] are 0, the others the ratio itself. batch_normalize divides by
+    the mean weight (over valid tokens; at sequence level over non-empty rows).
+    Metrics (over valid tokens; at sequence level max, min, std and ESS over non-empty rows):
+    rollout_is_mean (final weights), rollout_is_max / _min (the untruncated ratio),
+    rollout_is_std, rollout_is_eff_sample_size = mean(w)^2 / mean(w^2) (scale-free, so the same
+    before and after normalisation; 1 = all weights equal), rollout_is_ratio_fraction_high /
+    _low (ratio above threshold / below lower, or 1 / threshold without lower),
+    rollout_is_truncated_fraction (= _high), rollout_is_batch_norm_factor (the mean divided by;
+    1 without normalisation).
     """
     if level not in IS_LEVELS:
         raise ValueError(
             f"rollout_is: unknown level {level!r}; valid levels: {', '.join(IS_LEVELS)}"
         )
-    if threshold <= 0:
-        raise ValueError(f"rollout_is_threshold: must be > 0, got {threshold}")
+    if threshold <= 0 or (lower is not None and not 0 <= lower < threshold):
+        raise ValueError(f"rollout_is_threshold: need upper > 0 and 0 <= lower < upper, got "
+                         f"lower={lower}, upper={threshold}")
     log_ratio = _log_ratio(old_log_probs, rollout_log_probs, response_mask)
+    valid = response_mask.bool()
     if level == "sequence":
         log_ratio = masked_sum(log_ratio, response_mask, dim=-1).unsqueeze(-1).expand_as(log_ratio)
-    log_threshold = math.log(threshold)
-    weights = masked_fill_invalid(torch.exp(log_ratio.clamp(max=log_threshold)), response_mask)
-    truncated = (log_ratio > log_threshold).to(weights.dtype)
+    log_upper = math.log(threshold)
+    log_lower = math.log(lower) if lower else -math.inf
+    high = log_ratio > log_upper
+    low = log_ratio < (log_lower if lower is not None else -log_upper)
+    if lower is None:
+        weights = torch.exp(log_ratio.clamp(max=log_upper))
+    else:
+        inside = (log_ratio >= log_lower) & (log_ratio <= log_upper)
+        weights = torch.where(inside, torch.exp(log_ratio.clamp(max=log_upper)), 0.0)
+    weights = masked_fill_invalid(weights, response_mask)
+    # At sequence level a row is one sample: its statistics are taken over the non-empty rows.
+    if level == "sequence":
+        unit_mask, unit_weights, unit_log = valid.any(dim=-1), weights.amax(dim=-1), log_ratio[:, 0]
+    else:
+        unit_mask, unit_weights, unit_log = valid, weights, log_ratio
+    any_valid = unit_mask.any()
+    mean = masked_mean(unit_weights, unit_mask)
+    second = masked_mean(unit_weights.square(), unit_mask)
+    bounded = unit_log.clamp(-_RATIO_LOG_BOUND, _RATIO_LOG_BOUND)
+    largest = bounded.masked_fill(~unit_mask, -math.inf).max()
+    smallest = bounded.masked_fill(~unit_mask, math.inf).min()
     metrics = {
-        "rollout_is_mean": masked_mean(weights, response_mask),
-        "rollout_is_truncated_fraction": masked_mean(truncated, response_mask),
+        "rollout_is_max": torch.where(any_valid, torch.exp(largest), 0.0),
+        "rollout_is_min": torch.where(any_valid, torch.exp(smallest), 0.0),
+        "rollout_is_std": (second - mean.square()).clamp(min=0).sqrt(),
+        "rollout_is_eff_sample_size": torch.where(
+            second > 0, mean.square() / second.clamp(min=1e-30), 0.0),
+        "rollout_is_ratio_fraction_high": masked_mean(high.to(weights.dtype), response_mask),
+        "rollout_is_ratio_fraction_low": masked_mean(low.to(weights.dtype), response_mask),
     }
+    metrics["rollout_is_truncated_fraction"] = metrics["rollout_is_ratio_fraction_high"]
+    factor = mean.new_ones(())
+    if batch_normalize:
+        factor = torch.where(mean > 0, mean, 1.0)
+        weights = weights / factor
+    metrics["rollout_is_batch_norm_factor"] = factor * any_valid.to(factor.dtype)
+    metrics["rollout_is_mean"] = masked_mean(weights, response_mask)
     return weights, metrics
 
 
@@ -186,16 +235,55 @@ def off_policy_metrics(
     rollout_log_probs: torch.Tensor,
     response_mask: torch.Tensor,
 ) -> dict[str, torch.Tensor]:
-    """How far mu is from pi_old over valid tokens (inputs [B, T]): kl = mean(-l_t), the k1
-    estimate of KL(mu || pi_old); k3_kl = mean(exp(l_t) - 1 - l_t), its non-negative k3
-    estimate; chi2_token = mean(rho_t^2) - 1."""
+    """How far mu is from pi_old (inputs [B, T]), with verl's names.
+
+    Over valid tokens: kl = mean(-l_t), the k1 estimate of KL(mu || pi_old); k3_kl =
+    mean(exp(l_t) - 1 - l_t); chi2_token = mean(rho_t^2) - 1. Over non-empty rows, with
+    lp_i = mean_t log-prob of row i: training_log_ppl = mean(-lp_i(pi_old)), training_ppl =
+    mean(exp(-lp_i(pi_old))), rollout_log_ppl and rollout_ppl the same under mu; log_ppl_diff
+    = mean(d_i) with d_i = lp_i(mu) - lp_i(pi_old), log_ppl_abs_diff = mean|d_i|,
+    log_ppl_diff_max / _min, ppl_ratio = mean(exp(d_i)) (training over rollout perplexity);
+    chi2_seq = mean((prod_t rho_t)^2) - 1. All 0 for an all-zero mask.
+    """
     log_ratio = _log_ratio(old_log_probs, rollout_log_probs, response_mask)
-    ratio_sq = masked_fill_invalid(torch.exp(2 * log_ratio.clamp(max=20.0)), response_mask)
+    bounded = log_ratio.clamp(-_RATIO_LOG_BOUND, _RATIO_LOG_BOUND)
+    ratio_sq = masked_fill_invalid(torch.exp(2 * bounded), response_mask)
+    any_valid = response_mask.bool().any().to(ratio_sq.dtype)
+    rows = response_mask.bool().any(dim=-1)
+    train_lp = masked_mean(masked_fill_invalid(old_log_probs.detach(), response_mask),
+                           response_mask, dim=-1)
+    roll_lp = masked_mean(masked_fill_invalid(rollout_log_probs.detach(), response_mask),
+                          response_mask, dim=-1)
+    diff = roll_lp - train_lp
+    seq_log_ratio = masked_sum(log_ratio, response_mask, dim=-1).clamp(-_RATIO_LOG_BOUND,
+                                                                       _RATIO_LOG_BOUND)
+
+    def row_mean(values: torch.Tensor) -> torch.Tensor:
+        return masked_mean(values, rows)
+
+    def row_extreme(values: torch.Tensor, largest: bool) -> torch.Tensor:
+        if not bool(rows.any()):
+            return values.new_zeros(())
+        return values[rows].max() if largest else values[rows].min()
+
     return {
         "kl": masked_mean(-log_ratio, response_mask),
         "k3_kl": masked_mean(_token_scores(log_ratio, "k3"), response_mask),
-        "chi2_token": masked_mean(ratio_sq, response_mask) - response_mask.any().to(ratio_sq),
+        "chi2_token": masked_mean(ratio_sq, response_mask) - any_valid,
+        "chi2_seq": row_mean(torch.exp(2 * seq_log_ratio)) - any_valid,
+        "training_log_ppl": row_mean(-train_lp),
+        "training_ppl": row_mean(torch.exp(-train_lp)),
+        "rollout_log_ppl": row_mean(-roll_lp),
+        "rollout_ppl": row_mean(torch.exp(-roll_lp)),
+        "log_ppl_diff": row_mean(diff),
+        "log_ppl_abs_diff": row_mean(diff.abs()),
+        "log_ppl_diff_max": row_extreme(diff, largest=True),
+        "log_ppl_diff_min": row_extreme(diff, largest=False),
+        "ppl_ratio": row_mean(torch.exp(diff.clamp(-_RATIO_LOG_BOUND, _RATIO_LOG_BOUND))),
     }
+
+
+RSThreshold = tuple[float | None, float]
 
 
 def compute_rollout_correction(
@@ -205,32 +293,57 @@ def compute_rollout_correction(
     *,
     rollout_is: str | None = None,
     rollout_is_threshold: float = 2.0,
-    rollout_rs: str | None = None,
-    rollout_rs_threshold: tuple[float | None, float] = (None, 2.0),
+    rollout_is_threshold_lower: float | None = None,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | Sequence[str] | None = None,
+    rollout_rs_threshold: RSThreshold | Sequence[RSThreshold] = (None, 2.0),
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
     """Weights (None when rollout_is is None), the response mask after rejection, and all metrics.
 
-    Inputs [B, T]. rollout_is: None | token | sequence; rollout_rs: None | one of
-    :data:`RS_CRITERIA`; rollout_rs_threshold: (lower, upper), lower None meaning 1 / upper (k1
-    only). Weights and their metrics are computed on the full response mask; rejected tokens
-    then get weight 0. The metrics always include the probability differences and
-    :func:`off_policy_metrics`.
+    Inputs [B, T]. rollout_is: None | token | sequence, with `rollout_is_weights`' threshold,
+    lower (IcePop band) and batch_normalize. rollout_rs: None, one of :data:`RS_CRITERIA`, or
+    several (a sequence or a comma-separated string): a token is kept only if every criterion
+    keeps it. rollout_rs_threshold: one (lower, upper) for all criteria or one per criterion;
+    lower None means 1 / upper (k1 only). Weights and their metrics are computed on the full
+    response mask; rejected tokens then get weight 0. With several criteria each one's
+    metrics are also given as rollout_rs_<criterion>_masked_fraction. The metrics always
+    include the probability differences and :func:`off_policy_metrics`.
     """
     metrics = rollout_probs_diff_metrics(old_log_probs, rollout_log_probs, response_mask)
     metrics.update(off_policy_metrics(old_log_probs, rollout_log_probs, response_mask))
     mask = response_mask
-    if rollout_rs is not None:
-        lower, upper = rollout_rs_threshold
-        mask, rs_metrics = rollout_rejection_mask(
-            old_log_probs, rollout_log_probs, response_mask,
-            criterion=rollout_rs, lower=lower, upper=upper,
-        )
-        metrics.update(rs_metrics)
+    criteria = ([c.strip() for c in rollout_rs.split(",") if c.strip()]
+                if isinstance(rollout_rs, str) else list(rollout_rs or ()))
+    if criteria:
+        per_criterion = (list(rollout_rs_threshold) if rollout_rs_threshold
+                         and isinstance(rollout_rs_threshold[0], tuple)
+                         else [rollout_rs_threshold] * len(criteria))
+        if len(per_criterion) != len(criteria):
+            raise ValueError(f"rollout_rs_threshold: {len(per_criterion)} thresholds for "
+                             f"{len(criteria)} criteria ({', '.join(criteria)}); give one "
+                             "for all or one per criterion")
+        keep = response_mask.bool()
+        for criterion, (lower, upper) in zip(criteria, per_criterion):
+            kept, rs_metrics = rollout_rejection_mask(
+                old_log_probs, rollout_log_probs, response_mask,
+                criterion=criterion, lower=lower, upper=upper,
+            )
+            keep = keep & kept.bool()
+            if len(criteria) > 1:
+                metrics[f"rollout_rs_{criterion}_masked_fraction"] = (
+                    rs_metrics["rollout_rs_masked_fraction"])
+        valid = response_mask.bool()
+        removed = (valid & ~keep).to(old_log_probs.dtype)
+        metrics["rollout_rs_masked_fraction"] = masked_mean(removed, valid)
+        metrics["rollout_rs_seq_masked_fraction"] = masked_mean(
+            (removed.sum(dim=-1) > 0).to(removed.dtype), valid.any(dim=-1))
+        mask = keep.to(response_mask.dtype)
     weights = None
     if rollout_is is not None:
         weights, is_metrics = rollout_is_weights(
             old_log_probs, rollout_log_probs, response_mask,
-            level=rollout_is, threshold=rollout_is_threshold,
+            level=rollout_is, threshold=rollout_is_threshold, lower=rollout_is_threshold_lower,
+            batch_normalize=rollout_is_batch_normalize,
         )
         weights = masked_fill_invalid(weights, mask)
         metrics.update(is_metrics)

@@ -27,10 +27,12 @@ def value_loss(
     cliprange_value: float,
     loss_agg_mode: str = "token-mean",
     global_counts: torch.Tensor | None = None,
+    norm_len: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of predictions ``vpreds`` against ``returns``, clipped around
     ``old_values`` (the values GAE used); all [B, T].
 
+    ``norm_len`` is the constant of ``seq-mean-token-sum-norm`` (the maximum response length).
     Returns the scalar loss and ``vf_clipfrac`` (fraction of valid tokens where the clipped
     error is the larger one) and ``vpred_mean`` (mean prediction over valid tokens), both
     over this batch's own tokens.
@@ -48,7 +50,7 @@ def value_loss(
     clipped_error = (clipped - returns).square()
     loss_mat = torch.maximum(unclipped_error, clipped_error)
     loss = 0.5 * aggregate_loss(loss_mat, response_mask, loss_agg_mode,
-                                global_counts=global_counts)
+                                global_counts=global_counts, norm_len=norm_len)
     metrics = {
         "vf_clipfrac": masked_mean((clipped_error > unclipped_error).to(vpreds.dtype),
                                    response_mask).detach(),

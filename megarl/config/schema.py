@@ -10,6 +10,7 @@ config always holds concrete values.
 from __future__ import annotations
 
 import re
+import typing
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -93,38 +94,121 @@ class KLControlConfig(Section):
 class FilterGroupsConfig(Section):
     """DAPO dynamic sampling: drop prompt groups whose responses all score the same."""
 
-    enable: bool = Field(False, description="drop groups with zero reward variance and refill")
+    enable: bool = Field(False, description=(
+        "drop groups with zero reward variance and refill (every scheduler; colocate_sync and "
+        "one_step_off generate further batches of prompts until the step is full and log the "
+        "number of rounds as `train/num_gen_batches`)"))
     metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field("acc", description=(
         "per-response value whose variance decides whether a group is kept"))
     max_num_gen_batches: int = Field(0, ge=0, description=(
         "generation batches tried per step before giving up; 0 = no limit"))
 
 
+def _bounds(text: str, field: str) -> tuple[float | None, float]:
+    """``"upper"`` or ``"lower_upper"`` -> (lower or None, upper), both floats."""
+    parts = text.strip().split("_")
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2):
+        raise ValueError(f"{field}: {text!r} is neither a number nor 'lower_upper' (e.g. "
+                         "'0.5_2.0'; quote it in YAML)")
+    return (None, values[0]) if len(values) == 1 else (values[0], values[1])
+
+
 class RolloutCorrectionConfig(Section):
-    """Off-policy correction between rollout-engine and trainer log-probs (verl's names)."""
+    """Off-policy correction between rollout-engine and trainer log-probs (verl's names).
+
+    Convention: every bound here is on the ratio pi_old / mu itself. verl bounds -log(ratio)
+    for its k1 rejection criteria: verl's k1 threshold "a_b" is megarl's
+    "exp(-b)_exp(-a)" (verl 0.5_2.0 is not a ratio band)."""
 
     rollout_is: Literal["token", "sequence"] | None = Field(None, description=(
-        "truncated importance-sampling weights per token or per sequence; null = off "
+        "importance-sampling weights pi_old / mu per token or per sequence; null = off "
         "(metrics are still logged)"))
-    rollout_is_threshold: float = Field(2.0, gt=0, description=(
-        "upper truncation of the IS weights"))
-    rollout_rs: RolloutRS | None = Field(None, description=(
-        "rejection sampling criterion (token_k1, seq_mean_k3, ...); null = off"))
-    rollout_rs_threshold: float | None = Field(None, gt=0, description=(
-        "upper bound of the rejection criterion (a ratio for *_k1, a divergence for k2/k3)"))
+    rollout_is_threshold: float | str = Field(2.0, description=(
+        "a number: the weights are truncated at it (TIS); 'lower_upper' (e.g. '0.5_2.0', "
+        "quoted): IcePop, weights whose ratio lies outside [lower, upper] are set to 0 and the "
+        "others kept untruncated"))
+    rollout_is_batch_normalize: bool = Field(False, description=(
+        "divide the weights by their mean over the batch's valid tokens (per sequence at "
+        "sequence level), so that they average 1; logs `rollout_corr/"
+        "rollout_is_batch_norm_factor`"))
+    rollout_rs: str | None = Field(None, description=(
+        "rejection sampling criteria, comma-separated (token_k1, seq_mean_k3, seq_max_k2, "
+        "...; a token is kept only if every one keeps it); null = off"))
+    rollout_rs_threshold: float | str | None = Field(None, description=(
+        "bounds of the rejection criteria: one number for all, or a comma-separated string "
+        "with one entry per criterion, each 'upper' or (k1 only) 'lower_upper'. For *_k1 the "
+        "bounds are on the ratio pi_old / mu (megarl's convention; verl bounds -log ratio, so "
+        "verl's k1 'a_b' is megarl's 'exp(-b)_exp(-a)'); for k2/k3 an upper bound on the "
+        "divergence"))
     rollout_rs_threshold_lower: float | None = Field(None, gt=0, description=(
-        "*_k1 only: lower ratio bound; null = 1 / rollout_rs_threshold"))
+        "*_k1 with a bare-number threshold: lower ratio bound; null = 1 / the upper one"))
     bypass_mode: bool = Field(False, description=(
         "use the rollout log-probs as the PPO anchor and skip the old-log-prob forward"))
+
+    @field_validator("rollout_is_threshold")
+    @classmethod
+    def _is_band(cls, value: float | str) -> float | str:
+        """A positive number or a 'lower_upper' band with 0 <= lower < upper."""
+        lower, upper = (None, value) if not isinstance(value, str) else _bounds(
+            value, "rollout_is_threshold")
+        if upper <= 0 or (lower is not None and not 0 <= lower < upper):
+            raise ValueError(f"rollout_is_threshold: need upper > 0 and 0 <= lower < upper, "
+                             f"got {value!r}")
+        return value
+
+    @field_validator("rollout_rs")
+    @classmethod
+    def _known_criteria(cls, value: str | None) -> str | None:
+        """Every comma-separated criterion is one of verl's."""
+        if value is None:
+            return None
+        criteria = [c.strip() for c in value.split(",") if c.strip()]
+        unknown = [c for c in criteria if c not in typing.get_args(RolloutRS)]
+        if unknown or not criteria:
+            raise ValueError(f"rollout_rs: unknown criteria {unknown or value!r}; valid: "
+                             f"{', '.join(typing.get_args(RolloutRS))}")
+        return ",".join(criteria)
+
+    def is_bounds(self) -> tuple[float | None, float]:
+        """(lower or None, upper) of the IS weights."""
+        if isinstance(self.rollout_is_threshold, str):
+            return _bounds(self.rollout_is_threshold, "rollout_is_threshold")
+        return None, float(self.rollout_is_threshold)
+
+    def rs_criteria(self) -> list[str]:
+        """The rejection criteria in order (empty when off)."""
+        return self.rollout_rs.split(",") if self.rollout_rs else []
+
+    def rs_bounds(self) -> list[tuple[float | None, float]]:
+        """(lower or None, upper) per rejection criterion; an unset threshold reads as 2.0."""
+        criteria, threshold = self.rs_criteria(), self.rollout_rs_threshold
+        if threshold is None or not isinstance(threshold, str):
+            upper = 2.0 if threshold is None else float(threshold)
+            return [(self.rollout_rs_threshold_lower, upper)] * len(criteria)
+        entries = [_bounds(t, "rollout_rs_threshold") for t in threshold.split(",")]
+        return entries * len(criteria) if len(entries) == 1 else entries
 
 
 class AlgorithmConfig(Section):
     """Advantage estimation, reward-side KL, dynamic sampling and rollout correction."""
 
-    adv_estimator: Literal["grpo", "rloo", "reinforce_plus_plus", "gae"] = Field(
-        "grpo", description="advantage estimator; gae needs the critic")
+    adv_estimator: Literal["grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus",
+                           "reinforce_plus_plus_baseline", "remax", "gae"] = Field(
+        "grpo", description=(
+            "advantage estimator: grpo (group-normalised), grpo_passk (only each group's best "
+            "sample, credited r_max - r_second), rloo (leave-one-out), opo (length-weighted "
+            "group mean as baseline), gpg (group-centred, scaled by B / (B - M) for the M "
+            "samples of groups without reward spread), reinforce_plus_plus (discounted "
+            "returns-to-go of the token rewards, whitened over the batch), "
+            "reinforce_plus_plus_baseline (group-centred, whitened over the batch), gae (needs "
+            "the critic); remax (greedy-rollout baseline) is refused: the greedy baseline "
+            "rollout is not built"))
     norm_adv_by_std_in_grpo: bool = Field(True, description=(
-        "GRPO: divide by the group's reward std (false = Dr. GRPO)"))
+        "grpo, grpo_passk: divide by the group's reward std (false = Dr. GRPO)"))
     gamma: float = Field(1.0, ge=0, le=1, description="discount factor (gae, reinforce++)")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda")
     use_kl_in_reward: bool = Field(False, description=(

@@ -66,10 +66,31 @@ class DataConfig(Section):
 
 
 class PolicyLossConfig(Section):
-    """Which policy-gradient objective the actor minimises."""
+    """Which policy-gradient objective the actor minimises, and the options of some of them."""
 
-    loss_mode: Literal["vanilla", "gspo"] = Field("vanilla", description=(
-        "vanilla = PPO clipped token ratio; gspo = sequence-level (length-normalised) ratio"))
+    loss_mode: Literal["vanilla", "gspo", "cispo", "clip_cov", "kl_cov", "geo_mean", "sapo",
+                       "gpg", "dppo_tv", "dppo_kl"] = Field("vanilla", description=(
+        "vanilla = PPO clipped token ratio (dual clip `actor.clip_ratio_c`); gspo = "
+        "sequence-level (length-normalised) ratio; cispo = clipped, detached IS weight times "
+        "log-prob (MiniMax-M1); clip_cov / kl_cov = PPO with a random set of high-covariance "
+        "tokens detached / unclipped with a |log-ratio| penalty on the highest-covariance "
+        "tokens; geo_mean = GMPO, the geometric mean of the token ratios clipped in log space "
+        "(`actor.clip_ratio_low/high` are log bounds; the paper uses 0.4); sapo = soft "
+        "sigmoid gate (`actor.tau_pos/tau_neg`); gpg = plain -A log-prob; dppo_tv / dppo_kl = "
+        "tokens outside a binary total-variation / KL trust region are dropped "
+        "(`actor.clip_ratio_low/high` are the divergence thresholds, `actor.clip_ratio_c` "
+        "truncates the IS ratio; the paper recommends a large one). gspo and geo_mean need "
+        "`actor.loss_agg_mode=seq-mean-token-mean`"))
+    clip_cov_ratio: float = Field(2e-4, gt=0, description=(
+        "clip_cov: fraction of a micro-batch's tokens detached"))
+    clip_cov_lb: float = Field(1.0, description=(
+        "clip_cov: only tokens with covariance above this are candidates"))
+    clip_cov_ub: float = Field(5.0, description=(
+        "clip_cov: only tokens with covariance below this are candidates"))
+    kl_cov_ratio: float = Field(2e-4, gt=0, description=(
+        "kl_cov: fraction of a micro-batch's tokens (largest covariance) penalised"))
+    ppo_kl_coef: float = Field(1.0, ge=0, description=(
+        "kl_cov: coefficient of the |log-ratio| penalty"))
 
 
 class RecomputeConfig(Section):
@@ -124,9 +145,16 @@ class ActorConfig(Section):
     clip_ratio_high: float = Field(0.2, ge=0, description=(
         "PPO clip above: ratio <= 1 + clip_ratio_high (raise it for DAPO clip-higher)"))
     clip_ratio_c: float = Field(3.0, gt=1, description=(
-        "dual-clip bound for negative advantages"))
+        "dual-clip bound for negative advantages; dppo_tv/dppo_kl: the IS-ratio truncation"))
     loss_agg_mode: LossAggMode = Field("token-mean", description=(
-        "how token losses are averaged; token-mean avoids GRPO's length bias"))
+        "how token losses are averaged (actor, and the critic's value loss); token-mean "
+        "avoids GRPO's length bias; seq-mean-token-sum-norm divides each sequence's sum by "
+        "`data.max_response_length` and takes the mean over sequences (Dr. GRPO; verl does not "
+        "divide by the number of sequences)"))
+    tau_pos: float = Field(1.0, gt=0, description=(
+        "sapo: gate temperature of tokens with positive advantage"))
+    tau_neg: float = Field(1.05, gt=0, description=(
+        "sapo: gate temperature of tokens with zero or negative advantage"))
     entropy_coeff: float = Field(0.0, ge=0, description="entropy bonus coefficient")
     use_kl_loss: bool = Field(False, description=(
         "add a KL(policy || reference) term to the loss; turns the reference model on"))

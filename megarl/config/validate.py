@@ -342,11 +342,14 @@ def check_critic_offload(ctx: Context) -> Iterator[Problem]:
                         "the reference's are)", f"set critic.offload.{name}=false")
 
 
+GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline")
+
+
 def check_group_size(ctx: Context) -> Iterator[Problem]:
     """Group-relative estimators and dynamic sampling need several responses per prompt."""
     cfg = ctx.cfg
     n, estimator = cfg.rollout.n, cfg.algorithm.adv_estimator
-    if n < 2 and estimator in ("grpo", "rloo"):
+    if n < 2 and estimator in GROUP_ESTIMATORS:
         yield error(("rollout.n", "algorithm.adv_estimator"), f"{estimator} compares responses "
                     "to the same prompt but rollout.n=1 gives every advantage 0",
                     "set rollout.n=8 (or any n >= 2)")
@@ -354,6 +357,14 @@ def check_group_size(ctx: Context) -> Iterator[Problem]:
         yield error(("rollout.n", "algorithm.filter_groups.enable"), "dynamic sampling drops "
                     "groups without reward variance; a group of 1 never has any",
                     "set rollout.n >= 2")
+
+
+def check_estimator_is_built(ctx: Context) -> Iterator[Problem]:
+    """ReMax's baseline is the reward of a greedy response per prompt, which is not generated."""
+    if ctx.cfg.algorithm.adv_estimator == "remax":
+        yield error("algorithm.adv_estimator", "remax needs a greedy (temperature 0) baseline "
+                    "rollout per prompt and its reward; the trainer does not generate one yet",
+                    "use algorithm.adv_estimator=grpo, rloo or opo")
 
 
 def check_critic_for_gae(ctx: Context) -> Iterator[Problem]:
@@ -383,39 +394,78 @@ def check_reference_for_kl(ctx: Context) -> Iterator[Problem]:
 
 
 def check_policy_loss_settings(ctx: Context) -> Iterator[Problem]:
-    """GSPO uses sequence-level ratios: small clip ratios, sequence-mean aggregation."""
+    """GSPO and GMPO are sequence-level objectives: sequence-mean aggregation, small GSPO clips."""
     actor = ctx.cfg.actor
-    if actor.policy_loss.loss_mode != "gspo":
-        return
-    if actor.loss_agg_mode != "seq-mean-token-mean":
-        yield warning(("actor.policy_loss.loss_mode", "actor.loss_agg_mode"), "GSPO is defined "
-                      f"with sequence-mean aggregation, not {actor.loss_agg_mode}",
-                      "set actor.loss_agg_mode=seq-mean-token-mean")
-    if max(actor.clip_ratio_low, actor.clip_ratio_high) > 0.01:
+    mode = actor.policy_loss.loss_mode
+    if mode in ("gspo", "geo_mean") and actor.loss_agg_mode != "seq-mean-token-mean":
+        paper = "GSPO" if mode == "gspo" else "GMPO"
+        yield error(("actor.policy_loss.loss_mode", "actor.loss_agg_mode"), f"{paper} "
+                    f"(loss_mode={mode}) is a sequence-level objective: a mean over sequences of "
+                    f"one loss per sequence; loss_agg_mode={actor.loss_agg_mode} would train "
+                    "another objective", "set actor.loss_agg_mode=seq-mean-token-mean")
+    if mode == "gspo" and max(actor.clip_ratio_low, actor.clip_ratio_high) > 0.01:
         yield warning(("actor.clip_ratio_low", "actor.clip_ratio_high"), "GSPO's sequence ratios "
                       "are geometric means near 1; clip ratios this large never clip",
                       "use clip_ratio_low=3e-4 and clip_ratio_high=4e-4 (GSPO paper)")
+    if mode == "clip_cov" and actor.policy_loss.clip_cov_lb >= actor.policy_loss.clip_cov_ub:
+        yield error(("actor.policy_loss.clip_cov_lb", "actor.policy_loss.clip_cov_ub"),
+                    "the covariance band is empty", "set clip_cov_lb < clip_cov_ub "
+                    "(the paper: 1 and 5)")
 
 
 def check_rollout_correction(ctx: Context) -> Iterator[Problem]:
-    """Rejection sampling needs a threshold; truncation below 1 shrinks every weight."""
+    """Rejection sampling needs a threshold per criterion; truncation below 1 shrinks every
+    weight; a k1 bound that reads as verl's (on -log ratio) is flagged."""
     rc = ctx.cfg.algorithm.rollout_correction
     prefix = "algorithm.rollout_correction."
-    if rc.rollout_is is not None and rc.rollout_is_threshold <= 1:
-        yield warning(prefix + "rollout_is_threshold", f"a truncation at {rc.rollout_is_threshold} "
+    is_lower, is_upper = rc.is_bounds()
+    if rc.rollout_is is not None and is_lower is None and is_upper <= 1:
+        yield warning(prefix + "rollout_is_threshold", f"a truncation at {is_upper} "
                       "<= 1 down-weights on-policy tokens too",
                       f"use {prefix}rollout_is_threshold=2.0")
-    if rc.rollout_rs is not None and rc.rollout_rs_threshold is None:
-        example = "2.0" if rc.rollout_rs.endswith("k1") else "0.01"
+    criteria = rc.rs_criteria()
+    if criteria and rc.rollout_rs_threshold is None:
+        example = "2.0" if criteria[0].endswith("k1") else "0.01"
         yield error((prefix + "rollout_rs", prefix + "rollout_rs_threshold"), f"rejection "
                     f"sampling {rc.rollout_rs} has no threshold",
                     f"set {prefix}rollout_rs_threshold (e.g. {example})")
-    if (rc.rollout_rs is not None and rc.rollout_rs.endswith("k1") and rc.rollout_rs_threshold
-            and rc.rollout_rs_threshold_lower
-            and rc.rollout_rs_threshold_lower >= rc.rollout_rs_threshold):
-        yield error((prefix + "rollout_rs_threshold_lower", prefix + "rollout_rs_threshold"),
-                    "the lower ratio bound is not below the upper one",
-                    f"use {prefix}rollout_rs_threshold_lower={1 / rc.rollout_rs_threshold:.3g}")
+        return
+    bounds = rc.rs_bounds()
+    if len(bounds) != len(criteria):
+        yield error((prefix + "rollout_rs_threshold", prefix + "rollout_rs"), f"{len(bounds)} "
+                    f"thresholds for {len(criteria)} criteria ({rc.rollout_rs})",
+                    "give one threshold for all criteria or one per criterion, comma-separated")
+        return
+    for criterion, (lower, upper) in zip(criteria, bounds):
+        yield from _check_rs_bounds(criterion, lower, upper, prefix)
+
+
+def _check_rs_bounds(criterion: str, lower: float | None, upper: float,
+                     prefix: str) -> Iterator[Problem]:
+    """One criterion's bounds: ratio bounds around 1 for k1, a positive upper for k2/k3."""
+    field = prefix + "rollout_rs_threshold"
+    if not criterion.endswith("k1"):
+        if lower is not None or upper <= 0:
+            given = upper if lower is None else f"{lower}_{upper}"
+            yield error(field, f"{criterion} bounds a divergence: it takes one upper bound > 0, "
+                        f"got {given}", f"give {criterion} a single upper bound such as 0.01")
+        return
+    low = lower if lower is not None else (1 / upper if upper > 0 else 0.0)
+    band = f"{lower}_{upper}" if lower is not None else f"{upper} (lower 1/{upper})"
+    verl_fix = (f"megarl bounds the ratio pi_old / mu; verl's k1 'a_b' bounds -log ratio and "
+                f"is megarl's 'exp(-b)_exp(-a)': use {field}='{math.exp(-upper):.3g}_"
+                f"{math.exp(-low):.3g}'" if lower is not None else
+                f"megarl bounds the ratio pi_old / mu (verl bounds -log ratio); use e.g. "
+                f"{field}=2.0")
+    if upper <= 0 or low < 0:
+        yield error(field, f"{criterion}: {band} are not ratio bounds (a ratio is > 0)",
+                    verl_fix)
+    elif low > upper:
+        yield error((prefix + "rollout_rs_threshold_lower", field), f"{criterion}: the ratio "
+                    f"band {band} is empty", verl_fix)
+    elif low > 1 or upper < 1:
+        yield warning(field, f"{criterion}: the ratio band {band} rejects the on-policy ratio "
+                      "1; this looks like verl's convention", verl_fix)
 
 
 def check_router_replay(ctx: Context) -> Iterator[Problem]:
@@ -555,7 +605,7 @@ RULES: tuple[Rule, ...] = (
     *LAYOUT_RULES,
     check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
     check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
-    check_critic_offload, check_group_size,
+    check_critic_offload, check_group_size, check_estimator_is_built,
     check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_cuda_graphs, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,

@@ -122,6 +122,8 @@ class ValueLossSettings:
 
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    norm_len: float | None = None
+    """The constant of ``seq-mean-token-sum-norm`` (``data.max_response_length``)."""
 
 
 def _head_values(output: torch.Tensor) -> torch.Tensor:
@@ -245,7 +247,8 @@ def critic_train_step(
         vpreds = _head_values(output)[mb.gather_index]
         loss, parts = value_loss(vpreds, mb.old_values, mb.returns, mb.loss_mask,
                                  cliprange_value=settings.cliprange_value,
-                                 loss_agg_mode=settings.loss_agg_mode, global_counts=counts)
+                                 loss_agg_mode=settings.loss_agg_mode, global_counts=counts,
+                                 norm_len=settings.norm_len)
         tokens = mb.loss_mask.sum()
         metrics = {"vf_loss": loss.detach(), "vf_clipfrac": parts["vf_clipfrac"] * tokens,
                    "vpred_sum": parts["vpred_mean"] * tokens, "tokens": tokens}

@@ -15,14 +15,19 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megarl.algo import aggregate_loss, get_policy_loss, kl_penalty, loss_counts
+from megarl.algo import (
+    aggregate_loss,
+    get_policy_loss,
+    kl_penalty,
+    loss_counts,
+    policy_loss_options,
+)
 from megarl.megatron import cpu_compat
 from megarl.megatron.cuda_graphs import GraphedChunk
 from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs, make_micro_batches
@@ -55,11 +60,20 @@ class TrainSequence:
 class LossSettings:
     """The actor's loss (field names follow ``actor.*`` in the config)."""
 
-    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
+    loss_mode: str = "vanilla"
     clip_ratio_low: float = 0.2
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
+    clip_cov_ratio: float = 2e-4
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 2e-4
+    ppo_kl_coef: float = 1.0
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
     loss_agg_mode: str = "token-mean"
+    norm_len: float | None = None
+    """The constant of ``seq-mean-token-sum-norm`` (``data.max_response_length``)."""
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -120,18 +134,22 @@ def _loss_terms(
     t = mb.tensors
     mask = t["loss_mask"]
     lp, ent = log_probs[mb.gather_index], entropy[mb.gather_index]
+    options = {name: getattr(settings, name) for name in policy_loss_options(settings.loss_mode)}
+    if settings.loss_mode == "clip_cov":
+        # The same draw on every rank of a model replica: seeded by the mini-batch's counts.
+        seed = int(counts[0].item()) * 1000003 + int(mask.sum().item())
+        options["generator"] = torch.Generator().manual_seed(seed)
     pg_mat, pg_metrics = get_policy_loss(settings.loss_mode)(
         lp,
         t["old_log_probs"],
         t["advantages"],
         mask,
-        clip_ratio_low=settings.clip_ratio_low,
-        clip_ratio_high=settings.clip_ratio_high,
-        **({"clip_ratio_c": settings.clip_ratio_c} if settings.loss_mode == "vanilla" else {}),
+        **options,
         rollout_is_weights=t["rollout_is_weights"],
     )
     agg = partial(
-        aggregate_loss, loss_mask=mask, loss_agg_mode=settings.loss_agg_mode, global_counts=counts
+        aggregate_loss, loss_mask=mask, loss_agg_mode=settings.loss_agg_mode, global_counts=counts,
+        norm_len=settings.norm_len,
     )
     pg_loss = agg(pg_mat)
     entropy_loss = agg(ent)

@@ -39,6 +39,7 @@ from megarl.config.schema import SchedulerConfig
 from megarl.metrics.timing import timer
 from megarl.scheduler.background import BusyClock, RolloutLoop
 from megarl.scheduler.base import IdleWindow, Scheduler
+from megarl.scheduler.dynamic_sampling import zero_variance
 from megarl.scheduler.queue import SampleGroup, SampleQueue
 from megarl.scheduler.rollouter import PromptJob, Rollouter, StalenessBudget
 from megarl.scheduler.staleness import staleness, staleness_metrics, within_bound
@@ -53,11 +54,6 @@ def queue_capacity(cfg: SchedulerConfig, groups_per_step: int, n: int) -> int:
         return cfg.max_queue_length
     groups = cfg.trigger_parameter_sync_step * groups_per_step
     return math.floor((1 + cfg.staleness_threshold) * groups + 1e-9) * n
-
-
-def zero_variance(scores: torch.Tensor) -> bool:
-    """Whether every response of a group got the same reward (nothing to learn from)."""
-    return bool((scores.max() - scores.min()).abs() <= 1e-8)
 
 
 class FullyAsync(Scheduler):

@@ -8,6 +8,10 @@ Per step, on the trainer thread:
 3. start generating the next step's samples with those weights, in the background;
 4. train on this step's samples (:meth:`Trainer.train_on`).
 
+With dynamic sampling (``algorithm.filter_groups``) step 1 is followed by refill rounds, still
+with the old weights, until the step holds ``data.train_batch_size`` groups with reward
+variance (:mod:`megarl.scheduler.dynamic_sampling`).
+
 This step's samples were generated with the weights from before the previous update, so their
 staleness is 1 (0 at the first step) by construction. The first step has nothing to overlap
 with; the last one prefetches nothing, and :meth:`OneStepOff.finish` pushes its update.
@@ -24,6 +28,7 @@ from megarl.batch import StepBatch
 from megarl.metrics.timing import timer
 from megarl.scheduler.background import BusyClock, RolloutLoop
 from megarl.scheduler.base import IdleWindow, Scheduler
+from megarl.scheduler.dynamic_sampling import fill_with_varied_groups
 from megarl.scheduler.staleness import staleness, staleness_metrics
 
 if TYPE_CHECKING:
@@ -66,6 +71,17 @@ class OneStepOff(Scheduler):
 
         return self.rollout.submit(generate())
 
+    def _generate_more(self) -> StepBatch:
+        """Dynamic sampling's next round: the next prompts, generated now (before the weight
+        push, so with the same weights as the step's first batch)."""
+        future = self._start(self.trainer.loader.next_batch(), self.trainer.steps_done)
+        try:
+            return future.result(self.timeout_s)[0]
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"one_step_off: a dynamic-sampling round took over "
+                               f"{self.timeout_s:.0f} s (trainer.phase_timeout_s)") from None
+
     def step(self, last: bool = False) -> dict[str, float]:
         """One step: wait for its samples, push weights, prefetch the next, train."""
         trainer = self.trainer
@@ -82,6 +98,8 @@ class OneStepOff(Scheduler):
                                    ) from None
             finally:
                 self.pending = None
+        if trainer.cfg.algorithm.filter_groups.enable:  # refill with this step's weights
+            batch = fill_with_varied_groups(trainer, batch, self._generate_more, metrics)
         if self.unsynced:
             with timer("sync_weights", metrics):
                 metrics.update(trainer.sync_weights())

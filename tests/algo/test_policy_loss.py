@@ -133,8 +133,8 @@ def test_gspo_matches_sequence_level_objective(make_mask) -> None:
 def test_registry_and_argument_errors(make_mask) -> None:
     assert get_policy_loss("vanilla") is ppo_policy_loss
     assert get_policy_loss("gspo") is gspo_policy_loss
-    with pytest.raises(ValueError, match="valid names: gspo, vanilla"):
-        get_policy_loss("cispo")
+    with pytest.raises(ValueError, match="valid names: cispo, clip_cov, .*, vanilla"):
+        get_policy_loss("grpo")
     log_probs, old, adv, mask = _inputs(make_mask)
     with pytest.raises(ValueError, match="clip_ratio_c: must be > 1"):
         ppo_policy_loss(log_probs, old, adv, mask, clip_ratio_c=0.5)

@@ -114,7 +114,9 @@ def test_unknown_section_lists_valid_ones():
     ("actor.ppo_epochs=two", ("actor.ppo_epochs: 'two' (from override) is not a whole number — "
                              "use a whole number, e.g. actor.ppo_epochs=1")),
     ("algorithm.adv_estimator=grp", ("algorithm.adv_estimator: 'grp' (from override) is not one "
-                                    "of 'grpo', 'rloo', 'reinforce_plus_plus' or 'gae' (did you "
+                                    "of 'grpo', 'grpo_passk', 'rloo', 'opo', 'gpg', "
+                                    "'reinforce_plus_plus', 'reinforce_plus_plus_baseline', "
+                                    "'remax' or 'gae' (did you "
                                     "mean 'grpo'?)")),
     ("rollout.max_num_seqs=many", ("rollout.max_num_seqs: 'many' (from override) is not a whole "
                                   "number or one of 'auto'")),

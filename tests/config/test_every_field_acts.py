@@ -34,7 +34,7 @@ from megarl.config.estimates import estimate
 from megarl.config.model_info import load_model_info
 from megarl.config.schema import RunConfig
 from megarl.config.schema_common import Section
-from megarl.scheduler import fully_async
+from megarl.scheduler import dynamic_sampling, fully_async
 from megarl.trainer import Trainer
 
 
@@ -254,7 +254,14 @@ FIELDS: dict[str, Row] = {
     "actor.use_kl_loss": spec("true", "actor.loss.use_kl_loss"),
     "actor.kl_loss_coef": spec(0.01, "actor.loss.kl_loss_coef"),
     "actor.kl_loss_type": spec("k1", "actor.loss.kl_loss_type"),
-    "actor.policy_loss.loss_mode": spec("gspo", "actor.loss.loss_mode"),
+    "actor.policy_loss.loss_mode": spec("cispo", "actor.loss.loss_mode"),
+    "actor.policy_loss.clip_cov_ratio": spec(1e-3, "actor.loss.clip_cov_ratio"),
+    "actor.policy_loss.clip_cov_lb": spec(0.5, "actor.loss.clip_cov_lb"),
+    "actor.policy_loss.clip_cov_ub": spec(4.0, "actor.loss.clip_cov_ub"),
+    "actor.policy_loss.kl_cov_ratio": spec(1e-3, "actor.loss.kl_cov_ratio"),
+    "actor.policy_loss.ppo_kl_coef": spec(0.5, "actor.loss.ppo_kl_coef"),
+    "actor.tau_pos": spec(2.0, "actor.loss.tau_pos"),
+    "actor.tau_neg": spec(2.0, "actor.loss.tau_neg"),
     "actor.grad_clip": spec(0.5, "actor.optim.grad_clip"),
     **optim_rows("actor"),
     **parallel_rows("actor"),
@@ -318,11 +325,13 @@ FIELDS: dict[str, Row] = {
     "algorithm.kl_ctrl.target_kl": spec(0.5, "kl_ctrl", KL_IN_REWARD,
                                         "algorithm.kl_ctrl.type=adaptive"),
     "algorithm.filter_groups.enable": reads(fully_async),
-    "algorithm.filter_groups.max_num_gen_batches": reads(fully_async),
+    "algorithm.filter_groups.max_num_gen_batches": reads(dynamic_sampling),
     "algorithm.rollout_correction.rollout_is": reads(trainer_module),
     "algorithm.rollout_correction.rollout_is_threshold": reads(trainer_module,
                                                                 "rollout_correction"),
-    "algorithm.rollout_correction.rollout_rs": reads(trainer_module),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": reads(trainer_module),
+    "algorithm.rollout_correction.rollout_rs": reads(trainer_module, "rollout_correction",
+                                                     "rs_criteria"),
     "algorithm.rollout_correction.rollout_rs_threshold": reads(trainer_module,
                                                                 "rollout_correction"),
     "algorithm.rollout_correction.rollout_rs_threshold_lower": reads(trainer_module,

@@ -81,3 +81,19 @@ def test_rejects_mismatched_shapes():
     inputs["returns"] = inputs["returns"][:, :-1]
     with pytest.raises(ValueError, match="returns"):
         value_loss(**inputs, cliprange_value=CLIP)
+
+
+def test_seq_mean_token_sum_norm_divides_by_the_constant():
+    inputs = make_inputs(seed=3)
+    norm_len = 16.0
+    loss, _ = value_loss(**inputs, cliprange_value=CLIP, loss_agg_mode="seq-mean-token-sum-norm",
+                         norm_len=norm_len)
+    rows = [i for i in range(inputs["vpreds"].shape[0]) if inputs["response_mask"][i].sum() > 0]
+    total = 0.0
+    for i in rows:
+        for t in range(inputs["vpreds"].shape[1]):
+            if inputs["response_mask"][i, t]:
+                v, o, r = (float(inputs[k][i, t]) for k in ("vpreds", "old_values", "returns"))
+                vc = min(max(v, o - CLIP), o + CLIP)
+                total += max((v - r) ** 2, (vc - r) ** 2)
+    assert float(loss) == pytest.approx(0.5 * total / norm_len / len(rows), rel=1e-6)
