@@ -74,37 +74,6 @@ from megarl.trainer_critic import (
 )
 from megarl.trainer_setup import Workers, build_workers, shutdown_workers
 
-# Config settings whose machinery is not part of this trainer yet: refused, never ignored.
-NOT_BUILT = (
-    ("checkpoint_engine.backend", lambda c: c.checkpoint_engine.backend in ("nixl", "disk"),
-     ("the trainer streams weights over SGLang's protocols: update_weights_from_tensor (ipc, "
-      "colocated) or update_weights_from_distributed (nccl; gloo on CPU); the nixl and disk "
-      "transports run in `megarl bench weight-sync` only so far; set "
-      "checkpoint_engine.backend=auto")),
-    ("algorithm.filter_groups.enable", lambda c: c.algorithm.filter_groups.enable
-     and c.scheduler.mode != "fully_async",
-     ("dynamic sampling is built into scheduler.mode=fully_async only yet; set "
-      "scheduler.mode=fully_async or algorithm.filter_groups.enable=false")),
-    ("algorithm.adv_estimator", lambda c: c.algorithm.adv_estimator == "reinforce_plus_plus",
-     "the token-level-reward estimator reinforce_plus_plus is not wired yet; use grpo, rloo or "
-     "gae"),
-    ("algorithm.rollout_correction.bypass_mode",
-     lambda c: c.algorithm.rollout_correction.bypass_mode and (
-         c.algorithm.rollout_correction.rollout_is or c.algorithm.rollout_correction.rollout_rs),
-     ("bypass_mode makes the rollout log-probs the PPO anchor; IS weights / rejection against "
-      "the current policy inside the loss are not built; set algorithm.rollout_correction."
-      "rollout_is=null and rollout_rs=null, or bypass_mode=false")),
-    ("algorithm.kl_penalty", lambda c: c.algorithm.use_kl_in_reward
-     and c.algorithm.kl_penalty == "full",
-     ("the full-distribution KL needs the logits, which the trainer does not keep; use kl, abs, "
-      "mse or low_var_kl")),
-    ("actor.router_replay.mode", lambda c: c.actor.router_replay.mode == "R2"
-     and c.algorithm.rollout_correction.bypass_mode,
-     ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "
-      "actor.router_replay.mode=R3 or algorithm.rollout_correction.bypass_mode=false")),
-)
-
-
 class Trainer:
     """Drives the train and rollout pools through RL steps."""
 
@@ -613,12 +582,9 @@ def load_run_config(path: str, overrides: list[str],
             echo(f"error: {line}")
         return None
     problems = validate_config(cfg, sources=sources)
-    unbuilt = [f"{field}: {fix}" for field, applies, fix in NOT_BUILT if applies(cfg)]
     for problem in problems:
         echo(problem.line() if problem.severity == "error" else f"warning: {problem.line()}")
-    for line in unbuilt:
-        echo(line)
-    if unbuilt or any(p.severity == "error" for p in problems):
+    if any(p.severity == "error" for p in problems):
         return None
     return cfg, sources
 

@@ -25,6 +25,7 @@ from megarl.config.derived import (
 )
 from megarl.config.estimates import check_memory_fits
 from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info, weight_files
+from megarl.config.not_built import NOT_BUILT
 from megarl.config.problems import Context, Problem, error, warning
 from megarl.config.schema import RunConfig
 from megarl.config.schema_common import is_loopback_host
@@ -342,6 +343,13 @@ def check_critic_offload(ctx: Context) -> Iterator[Problem]:
                         "the reference's are)", f"set critic.offload.{name}=false")
 
 
+def check_not_built(ctx: Context) -> Iterator[Problem]:
+    """Settings whose machinery the trainer does not have yet (not_built.py's list)."""
+    for field, applies, fix in NOT_BUILT:
+        if applies(ctx.cfg):
+            yield error(field, "not built in this version of megarl", fix)
+
+
 def check_group_size(ctx: Context) -> Iterator[Problem]:
     """Group-relative estimators and dynamic sampling need several responses per prompt."""
     cfg = ctx.cfg
@@ -555,7 +563,7 @@ RULES: tuple[Rule, ...] = (
     *LAYOUT_RULES,
     check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
     check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
-    check_critic_offload, check_group_size,
+    check_critic_offload, check_not_built, check_group_size,
     check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_cuda_graphs, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,

@@ -154,6 +154,8 @@ CASES = [
     ("check_critic_offload", ["algorithm.adv_estimator=gae",
      "critic.offload.optimizer_offload=true"], None, ["critic.offload.optimizer_offload"],
      "critic.offload.optimizer_offload=false", "error"),
+    ("check_not_built", ["algorithm.adv_estimator=reinforce_plus_plus"], None,
+     ["algorithm.adv_estimator"], "use grpo, rloo or gae", "error"),
     ("check_group_size", ["rollout.n=1"], None, ["rollout.n", "algorithm.adv_estimator"],
      "rollout.n=8", "error"),
     ("check_critic_for_gae", ["algorithm.adv_estimator=gae", "critic.enabled=false"], None,

@@ -5,8 +5,8 @@ FIELDS holds one row per dotted field name; each row's check is run against a sm
 - spec: changing the value changes a built object (the actor/critic/engine spec, the engine's
   argv, the sampling params, the derived sizes, the memory estimate, the KL controller, the
   fully_async queue capacity, the checkpoint steps);
-- refused: validation (or `megarl train`'s NOT_BUILT list, before anything starts) reports an
-  error naming the field for some value;
+- refused: validation (which includes config/not_built.py's list of machinery not built yet)
+  reports an error naming the field for some value;
 - derived: a documented input of `megarl config show`'s sizes or estimates only;
 - read: run-time code reads the field (the names appear in its bytecode, docstrings excluded);
   weaker than spec, used where the consumer needs a running trainer (data files, trackers, Ray).
@@ -150,19 +150,6 @@ def refused(value: Any, *extra: str) -> Row:
     def check(run: Run, field: str) -> None:
         assert not run.errors_naming(field, *extra), f"the base already refuses {field}"
         assert run.errors_naming(field, *extra, f"{field}={value}"), f"{field}={value} accepted"
-    return Row("refused", check)
-
-
-def refused_at_start(value: Any, *extra: str) -> Row:
-    """``megarl train`` refuses ``value`` before starting anything (the trainer's NOT_BUILT
-    list: machinery not built yet), naming the field."""
-    def check(run: Run, field: str) -> None:
-        def refusals(*overrides: str) -> list[str]:
-            cfg, _ = run.config(*overrides)
-            return [name for name, applies, _ in trainer_module.NOT_BUILT
-                    if name == field and applies(cfg)]
-        assert not refusals(*extra), f"megarl train already refuses the base's {field}"
-        assert refusals(*extra, f"{field}={value}"), f"megarl train accepts {field}={value}"
     return Row("refused", check)
 
 
@@ -310,7 +297,7 @@ FIELDS: dict[str, Row] = {
     "algorithm.gamma": reads(Trainer.compute_advantages, "algorithm", "gamma"),
     "algorithm.lam": reads(Trainer.compute_advantages, "algorithm", "lam"),
     "algorithm.use_kl_in_reward": spec("true", "kl_ctrl"),
-    "algorithm.kl_penalty": refused_at_start("full", KL_IN_REWARD),
+    "algorithm.kl_penalty": refused("full", KL_IN_REWARD),
     "algorithm.kl_ctrl.type": spec("adaptive", "kl_ctrl", KL_IN_REWARD),
     "algorithm.kl_ctrl.kl_coef": spec(0.01, "kl_ctrl", KL_IN_REWARD),
     "algorithm.kl_ctrl.horizon": spec(100, "kl_ctrl", KL_IN_REWARD,
