@@ -101,7 +101,8 @@ class Trainer:
         cfg = self.cfg
         self.dataset = load_prompt_dataset(cfg.data.train_files, cfg.model.path,
                                            max_prompt_length=cfg.data.max_prompt_length,
-                                           prompt_key=cfg.data.prompt_key)
+                                           prompt_key=cfg.data.prompt_key,
+                                           trust_remote_code=cfg.model.trust_remote_code)
         self.loader = PromptLoader(self.dataset, cfg.data.train_batch_size, seed=cfg.data.seed,
                                    shuffle=cfg.data.shuffle)
         self.tokenizer = self.dataset.tokenizer
@@ -111,7 +112,7 @@ class Trainer:
         if cfg.trainer.val_every:
             self.val_dataset = load_prompt_dataset(
                 cfg.data.val_files, cfg.model.path, max_prompt_length=cfg.data.max_prompt_length,
-                prompt_key=cfg.data.prompt_key)
+                prompt_key=cfg.data.prompt_key, trust_remote_code=cfg.model.trust_remote_code)
         self.rewards = RewardManager(cfg.reward.function, batched=cfg.reward.batched,
                                      num_workers=cfg.reward.num_workers,
                                      timeout_s=cfg.reward.timeout_s,

@@ -87,7 +87,8 @@ def critic_spec(cfg: RunConfig) -> CriticSpec:
         optim=optim,
         loss=ValueLossSettings(cliprange_value=c.cliprange_value, loss_agg_mode=a.loss_agg_mode),
         max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
-        recompute=recompute_settings(a.recompute))
+        recompute=recompute_settings(a.recompute),
+        trust_remote_code=cfg.model.trust_remote_code)
 
 
 def start_critic(cfg: RunConfig, *, pool: Any = None, log_dir: Path | None = None,

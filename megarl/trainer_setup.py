@@ -75,15 +75,19 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
         loss_agg_mode=a.loss_agg_mode, entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if a.use_dynamic_bsz:
-        budget = a.ppo_max_token_len_per_gpu
+    if a.use_dynamic_bsz:  # the log-prob forwards pack by the same token budget
+        budget, log_prob_budget, ref_budget = a.ppo_max_token_len_per_gpu, None, None
     else:
         micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or 1
         budget = micro * seq_len
+        log_prob_budget = (a.log_prob_micro_batch_size_per_gpu or micro) * seq_len
+        ref_budget = (cfg.ref.log_prob_micro_batch_size_per_gpu or micro) * seq_len
     return ActorSpec(model_path=cfg.model.path, dtype=cfg.model.dtype, sizes=sizes, optim=optim,
                      loss=loss, with_ref=bool(cfg.ref.enabled),
                      temperature=cfg.rollout.temperature or 1.0,
                      max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
+                     log_prob_max_tokens_per_micro_batch=log_prob_budget,
+                     ref_max_tokens_per_micro_batch=ref_budget,
                      init_checkpoint=cfg.model.mcore_checkpoint,
                      router_replay=(a.router_replay.mode != "disabled"
                                     or bool(cfg.rollout.enable_return_routed_experts)),
@@ -91,7 +95,8 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens,
                      offload=OffloadSettings(**a.offload.model_dump()),
                      ref_param_offload=cfg.ref.offload.param_offload,
-                     recompute=recompute_settings(a.recompute))
+                     recompute=recompute_settings(a.recompute),
+                     trust_remote_code=cfg.model.trust_remote_code)
 
 
 def engine_max_num_seqs(cfg: RunConfig) -> int | None:
@@ -115,7 +120,8 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       seed=cfg.trainer.seed, log_dir=str(log_dir),
                       gpus_per_engine=r.gpus_per_engine, mem_fraction=r.gpu_memory_utilization,
                       return_routed_experts=bool(r.enable_return_routed_experts),
-                      colocated=r.colocate, api_key=r.api_key)
+                      colocated=r.colocate, api_key=r.api_key,
+                      trust_remote_code=cfg.model.trust_remote_code)
 
 
 class _DriverHttp:

@@ -23,6 +23,12 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
      and c.scheduler.mode != "fully_async",
      ("dynamic sampling is built into scheduler.mode=fully_async only yet; set "
       "scheduler.mode=fully_async or algorithm.filter_groups.enable=false")),
+    ("algorithm.filter_groups.metric",
+     lambda c: c.algorithm.filter_groups.metric in ("acc", "seq_final_reward"),
+     ("dynamic sampling filters on the reward score (= seq_reward, the sum of the token-level "
+      "scores); the reward function's extra values such as acc are not kept, and the KL-"
+      "penalised seq_final_reward exists only after the filter; set "
+      "algorithm.filter_groups.metric=score")),
     ("algorithm.adv_estimator", lambda c: c.algorithm.adv_estimator == "reinforce_plus_plus",
      "the token-level-reward estimator reinforce_plus_plus is not wired yet; use grpo, rloo or "
      "gae"),

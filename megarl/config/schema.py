@@ -94,8 +94,10 @@ class FilterGroupsConfig(Section):
     """DAPO dynamic sampling: drop prompt groups whose responses all score the same."""
 
     enable: bool = Field(False, description="drop groups with zero reward variance and refill")
-    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field("acc", description=(
-        "per-response value whose variance decides whether a group is kept"))
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field("score", description=(
+        "per-response value whose variance decides whether a group is kept: score, or "
+        "seq_reward (the same for an outcome reward: the sum of the token-level scores); verl's "
+        "acc and seq_final_reward are refused (not built yet)"))
     max_num_gen_batches: int = Field(0, ge=0, description=(
         "generation batches tried per step before giving up; 0 = no limit"))
 

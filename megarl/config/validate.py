@@ -376,6 +376,19 @@ def check_critic_for_gae(ctx: Context) -> Iterator[Problem]:
                       "leave critic.enabled unset")
 
 
+def check_reference_layout(ctx: Context) -> Iterator[Problem]:
+    """The reference model is built inside the actor's workers, with the actor's layout."""
+    ref, actor = ctx.cfg.ref.parallel, ctx.cfg.actor.parallel
+    if ref is None:
+        return
+    for name, value in ref.model_dump().items():
+        if value != getattr(actor, name):
+            yield error(f"ref.parallel.{name}", f"{value} differs from actor.parallel.{name}="
+                        f"{getattr(actor, name)}, but the reference model shares the actor's "
+                        "workers and layout", "remove ref.parallel or set it equal to "
+                        "actor.parallel")
+
+
 def check_reference_for_kl(ctx: Context) -> Iterator[Problem]:
     """KL terms need the reference model; KL in both loss and reward is counted twice."""
     cfg = ctx.cfg
@@ -514,6 +527,12 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
     return [
         ("actor.ppo_max_token_len_per_gpu", not cfg.actor.use_dynamic_bsz,
          "set actor.use_dynamic_bsz=true"),
+        ("actor.log_prob_micro_batch_size_per_gpu", cfg.actor.use_dynamic_bsz,
+         "set actor.use_dynamic_bsz=false (with it the forward packs by "
+         "actor.ppo_max_token_len_per_gpu)"),
+        ("ref.log_prob_micro_batch_size_per_gpu", cfg.actor.use_dynamic_bsz,
+         "set actor.use_dynamic_bsz=false (with it the forward packs by "
+         "actor.ppo_max_token_len_per_gpu)"),
         ("actor.kl_loss_coef", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
         ("actor.kl_loss_type", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
         ("actor.recompute.method", full_rc, "set actor.recompute.granularity=full"),
@@ -564,7 +583,7 @@ RULES: tuple[Rule, ...] = (
     check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
     check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
     check_critic_offload, check_not_built, check_group_size,
-    check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
+    check_critic_for_gae, check_reference_layout, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_cuda_graphs, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,
     check_memory_fits,

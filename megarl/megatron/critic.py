@@ -86,12 +86,13 @@ def build_critic_model(
     spec: SpecChoice = "auto",
     seed: int = 1234,
     recompute: RecomputeSettings | None = None,
+    trust_remote_code: bool = False,
 ) -> ActorModel:
     """This rank's critic chunks: the HF model's body (weights loaded) under ``sizes``, with a
     :class:`ValueHead` (seeded by ``seed``) on the last pipeline stage."""
     overrides = recompute.config_overrides() if recompute is not None else None
     model = build_actor_model(hf_path, sizes, dtype, spec=spec, load_weights=True, seed=seed,
-                              config_overrides=overrides)
+                              config_overrides=overrides, trust_remote_code=trust_remote_code)
     for chunk in model.chunks:
         # the embedding is the body's own; finalize_model_grads must not tie it to the head
         chunk.share_embeddings_and_output_weights = False

@@ -50,6 +50,8 @@ class CriticSpec:
     """Seed of the megatron RNGs and of the value head's initial weights."""
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
     """Activation recomputation (``actor.recompute``, which the critic follows)."""
+    trust_remote_code: bool = False
+    """Let the HF config load custom code shipped with the model (``model.trust_remote_code``)."""
 
 
 def _first_of_group() -> bool:
@@ -67,7 +69,8 @@ class CriticWorker(Worker):
         torch.manual_seed(spec.seed)
         self.spec = spec
         model = build_critic_model(spec.model_path, spec.sizes, DTYPES[spec.dtype],
-                                   seed=spec.seed, recompute=spec.recompute)
+                                   seed=spec.seed, recompute=spec.recompute,
+                                   trust_remote_code=spec.trust_remote_code)
         self.critic = TrainableActor(model, spec.optim)
 
     def layout(self) -> dict[str, int]:

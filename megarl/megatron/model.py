@@ -217,18 +217,20 @@ def build_actor_model(
     load_weights: bool = True,
     config_overrides: dict[str, Any] | None = None,
     seed: int = 1234,
+    trust_remote_code: bool = False,
 ) -> ActorModel:
     """Build this rank's GPT model chunks for the HF model at ``hf_path`` and load its weights.
 
     Creates the megatron parallel groups for ``sizes`` if none exist (``torch.distributed`` must
-    be initialised). ``config_overrides`` are TransformerConfig fields applied last.
+    be initialised). ``config_overrides`` are TransformerConfig fields applied last;
+    ``trust_remote_code`` lets the HF config load custom code shipped with the model.
     """
     cpu_compat.enable()
     if not mpu.model_parallel_is_initialized():
         init_parallel(sizes, seed=seed)
     _check_layout(sizes)
     chosen = resolve_spec(spec)
-    hf_config = load_hf_config(hf_path)
+    hf_config = load_hf_config(hf_path, trust_remote_code)
     vocab_multiple = sizes.tp if hf_config.vocab_size % sizes.tp else None
     bridge = make_bridge(hf_config, dtype=dtype, make_vocab_size_divisible_by=vocab_multiple)
     overrides = _config_overrides(hf_config, sizes, dtype, chosen)

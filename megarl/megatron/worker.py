@@ -52,6 +52,11 @@ class ActorSpec:
     temperature: float
     max_tokens_per_micro_batch: int | None
     seed: int
+    log_prob_max_tokens_per_micro_batch: int | None = None
+    """Token budget of one micro-batch of the old-log-prob forward
+    (``actor.log_prob_micro_batch_size_per_gpu``); None = ``max_tokens_per_micro_batch``."""
+    ref_max_tokens_per_micro_batch: int | None = None
+    """The same for the reference forward (``ref.log_prob_micro_batch_size_per_gpu``)."""
     init_checkpoint: str | None = None
     """A dist checkpoint with the first weights (``model.mcore_checkpoint``); None = the HF
     safetensors."""
@@ -69,6 +74,8 @@ class ActorSpec:
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
     """Activation recomputation of the actor (``actor.recompute``); the reference model only
     runs forwards without gradients and keeps no activations to recompute."""
+    trust_remote_code: bool = False
+    """Let the HF config load custom code shipped with the model (``model.trust_remote_code``)."""
 
 
 def _as_tensor(values: list[float] | None) -> torch.Tensor | None:
@@ -155,7 +162,8 @@ class ActorWorker(Worker):
         overrides.update(recompute.config_overrides() if recompute is not None else {})
         model = build_actor_model(spec.model_path, spec.sizes, dtype, seed=spec.seed,
                                   load_weights=spec.init_checkpoint is None,
-                                  config_overrides=overrides)
+                                  config_overrides=overrides,
+                                  trust_remote_code=spec.trust_remote_code)
         if spec.init_checkpoint is not None:
             load_model_weights(spec.init_checkpoint, model)
         return model
@@ -188,16 +196,19 @@ class ActorWorker(Worker):
         model = self.ref if use_ref else self.actor.model
         assert model is not None, "reference model requested but not built"
         offloader = self.ref_offloader if use_ref else self.offloader
+        budget = (self.spec.ref_max_tokens_per_micro_batch if use_ref
+                  else self.spec.log_prob_max_tokens_per_micro_batch)
+        budget = budget or self.spec.max_tokens_per_micro_batch
         tokens = [torch.tensor(s, dtype=torch.long) for s in sequences]
         for chunk in model.chunks:
             chunk.eval()
         with self._phase("ref" if use_ref else "old_log_prob"):
             offloader.reload(["param"])
-            with self._routing(model, tokens, routes, record_routes) as recording, \
+            with self._routing(model, tokens, routes, record_routes, budget) as recording, \
                     torch.no_grad():
                 out = compute_log_probs(
                     model, tokens, temperature=self.spec.temperature, with_entropy=with_entropy,
-                    max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
+                    max_tokens_per_micro_batch=budget)
             if use_ref and self.spec.ref_param_offload:
                 offloader.offload(["param"])
         result: dict[str, list] = {"log_probs": [lp.float().tolist() for lp in out.log_probs]}
@@ -209,9 +220,10 @@ class ActorWorker(Worker):
 
     @contextlib.contextmanager
     def _routing(self, model: ActorModel, tokens: list[torch.Tensor],
-                 routes: list[torch.Tensor] | None, record: bool) -> Iterator[RouteRecording]:
-        """Replay ``routes`` and/or record the routes of the one forward run in the block."""
-        budget = self.spec.max_tokens_per_micro_batch
+                 routes: list[torch.Tensor] | None, record: bool,
+                 budget: int | None) -> Iterator[RouteRecording]:
+        """Replay ``routes`` and/or record the routes of the one forward run in the block, which
+        packs micro-batches of ``budget`` tokens."""
         if routes is not None:
             with replay_routes_in(model, tokens, routes, max_tokens_per_micro_batch=budget,
                                   record=record) as recording:
@@ -254,7 +266,8 @@ class ActorWorker(Worker):
             for s in mini_batch
         ]
         with self._routing(self.actor.model, [s.tokens for s in sequences],
-                           _replayed_routes(mini_batch), record_routes) as recording:
+                           _replayed_routes(mini_batch), record_routes,
+                           self.spec.max_tokens_per_micro_batch) as recording:
             result = train_step(
                 self.actor, sequences, self.spec.loss,
                 max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,

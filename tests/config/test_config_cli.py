@@ -113,6 +113,7 @@ def test_unloadable_config_exits_2_with_lines(capsys):
 NOT_BUILT_TRIGGERS: dict[str, tuple[str, ...]] = {
     "checkpoint_engine.backend": ("checkpoint_engine.backend=disk",),
     "algorithm.filter_groups.enable": ("algorithm.filter_groups.enable=true",),
+    "algorithm.filter_groups.metric": ("algorithm.filter_groups.metric=acc",),
     "algorithm.adv_estimator": ("algorithm.adv_estimator=reinforce_plus_plus",),
     "algorithm.rollout_correction.bypass_mode": ("algorithm.rollout_correction.bypass_mode=true",
                                                  "algorithm.rollout_correction.rollout_is=token"),

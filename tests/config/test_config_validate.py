@@ -162,6 +162,8 @@ CASES = [
      ["algorithm.adv_estimator", "critic.enabled"], "critic.enabled=true", "error"),
     ("check_critic_for_gae", ["critic.enabled=true"], None, ["critic.enabled"],
      "leave critic.enabled unset", "warning"),
+    ("check_reference_layout", ["actor.use_kl_loss=true", "ref.parallel.tp=2"], None,
+     ["ref.parallel.tp"], "remove ref.parallel or set it equal to actor.parallel", "error"),
     ("check_reference_for_kl", ["actor.use_kl_loss=true", "ref.enabled=false"], None,
      ["actor.use_kl_loss", "ref.enabled"], "ref.enabled=true", "error"),
     ("check_reference_for_kl", ["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"],
