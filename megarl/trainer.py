@@ -74,6 +74,7 @@ from megarl.trainer_critic import (
 )
 from megarl.trainer_setup import Workers, build_workers, shutdown_workers
 
+
 class Trainer:
     """Drives the train and rollout pools through RL steps."""
 

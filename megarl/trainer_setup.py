@@ -20,18 +20,24 @@ from typing import Any
 from megarl.config import RunConfig
 from megarl.config.derived import derive_sizes, weight_sync_backend
 from megarl.config.model_info import ModelInfoError, load_model_info
-from megarl.megatron.model import recompute_settings
 from megarl.megatron.offload import OffloadSettings
-from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
-from megarl.megatron.update import LossSettings
-from megarl.megatron.worker import DTYPES, ActorSpec, ActorWorker
+from megarl.megatron.settings import (
+    DTYPES,
+    ActorSpec,
+    LossSettings,
+    OptimizerSettings,
+    recompute_settings,
+)
 from megarl.rollout.routed_experts import RoutedExpertsLayout
 from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker
 from megarl.rollout.sglang import SGLangClient
 from megarl.trainer_critic import CriticWorkers, start_critic
 from megarl.weights.flattened import FLATTENED_BUCKET
 from megarl.weights.sglang_sender import BucketSpec, plan_buckets
+
+ACTOR_WORKER = "megarl.megatron.worker:ActorWorker"
+"""Imported by the Ray workers only: the driver does not import megatron-core."""
 
 
 @dataclass
@@ -256,7 +262,7 @@ def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
     timeout = cfg.trainer.phase_timeout_s
 
     def start_actor() -> RayWorkerGroup:
-        return RayWorkerGroup(ActorWorker, pools["train_pool"], "actor", log_dir=log_dir,
+        return RayWorkerGroup(ACTOR_WORKER, pools["train_pool"], "actor", log_dir=log_dir,
                               args=(actor_spec(cfg),), env=env, echo_logs=False,
                               call_timeout_s=timeout)
 
@@ -329,9 +335,12 @@ def build_naive_workers(cfg: RunConfig, output_dir: Path) -> Workers:
         servers = launch_local_engines(
             cfg.model.path, num_engines, host=spec.host, device=ctx.device,
             num_threads=spec.num_threads, log_dir=spec.log_dir, api_key=spec.api_key,
-            seed=spec.seed, extra_args=["--dtype", spec.dtype])
+            seed=spec.seed, extra_args=["--dtype", spec.dtype,
+                                        *(["--trust-remote-code"] * spec.trust_remote_code)])
     box = [[s.url for s in servers]]
     dist.broadcast_object_list(box, src=0)
+    from megarl.megatron.worker import ActorWorker  # this process is a train rank
+
     actor = NaiveWorkerGroup(ActorWorker, "actor", args=(actor_spec(cfg),),
                              call_timeout_s=cfg.trainer.phase_timeout_s)
     workers = _assemble(cfg, actor, _LocalServers(servers), box[0], ctx.rank == 0, ctx.device,

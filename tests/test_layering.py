@@ -5,6 +5,9 @@ engines (the Megatron train side and the rollout side) meet only through the che
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,14 @@ def test_the_checker_sees_function_level_imports(tmp_path):
                       "    from megarl.trainer import Trainer\n"
                       "def f():\n    from megarl.rollout.process import free_port\n")
     assert megarl_imports(source) == [(5, "rollout")]
+
+
+def test_the_driver_does_not_import_megatron():
+    """The driver builds the workers' specs from megarl.megatron.settings and names the worker
+    classes by path; megatron-core (seconds to import) loads in the train workers only."""
+    code = ("import sys, megarl.cli, megarl.trainer, megarl.trainer_setup, megarl.trainer_critic; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'mbridge')))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=ROOT.parent, env=env)
+    assert out.stdout.strip() == "[]", out.stdout

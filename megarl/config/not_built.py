@@ -30,8 +30,8 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
       "penalised seq_final_reward exists only after the filter; set "
       "algorithm.filter_groups.metric=score")),
     ("algorithm.adv_estimator", lambda c: c.algorithm.adv_estimator == "reinforce_plus_plus",
-     "the token-level-reward estimator reinforce_plus_plus is not wired yet; use grpo, rloo or "
-     "gae"),
+     ("the token-level-reward estimator reinforce_plus_plus is not wired yet; use grpo, rloo "
+      "or gae")),
     ("algorithm.rollout_correction.bypass_mode",
      lambda c: c.algorithm.rollout_correction.bypass_mode and (
          c.algorithm.rollout_correction.rollout_is or c.algorithm.rollout_correction.rollout_rs),

@@ -528,11 +528,11 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
         ("actor.ppo_max_token_len_per_gpu", not cfg.actor.use_dynamic_bsz,
          "set actor.use_dynamic_bsz=true"),
         ("actor.log_prob_micro_batch_size_per_gpu", cfg.actor.use_dynamic_bsz,
-         "set actor.use_dynamic_bsz=false (with it the forward packs by "
-         "actor.ppo_max_token_len_per_gpu)"),
+         ("set actor.use_dynamic_bsz=false (with it the forward packs by "
+          "actor.ppo_max_token_len_per_gpu)")),
         ("ref.log_prob_micro_batch_size_per_gpu", cfg.actor.use_dynamic_bsz,
-         "set actor.use_dynamic_bsz=false (with it the forward packs by "
-         "actor.ppo_max_token_len_per_gpu)"),
+         ("set actor.use_dynamic_bsz=false (with it the forward packs by "
+          "actor.ppo_max_token_len_per_gpu)")),
         ("actor.kl_loss_coef", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
         ("actor.kl_loss_type", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
         ("actor.recompute.method", full_rc, "set actor.recompute.granularity=full"),

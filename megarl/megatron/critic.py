@@ -41,6 +41,7 @@ from megarl.megatron.model import ActorModel, RecomputeSettings, SpecChoice, bui
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.packing import PackedBatch
 from megarl.megatron.parallel import ParallelSizes
+from megarl.megatron.settings import ValueLossSettings
 
 _METRICS = ("vf_loss", "vf_clipfrac", "vpred_sum", "tokens")
 
@@ -115,14 +116,6 @@ class ValueSequence:
     """The values GAE used (the clipping centre)."""
     returns: torch.Tensor
     """The regression targets (GAE advantages + values)."""
-
-
-@dataclass(frozen=True)
-class ValueLossSettings:
-    """The critic's loss (``critic.cliprange_value``; aggregation as the actor's)."""
-
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
 
 
 def _head_values(output: torch.Tensor) -> torch.Tensor:

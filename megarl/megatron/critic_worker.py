@@ -9,7 +9,6 @@ plain Python lists; the trainer gives every rank of one data-parallel group the 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,40 +17,14 @@ from megatron.core import parallel_state as mpu
 from megarl.cluster.worker import Worker
 from megarl.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megarl.megatron.critic import (
-    ValueLossSettings,
     ValueSequence,
     build_critic_model,
     compute_values,
     critic_train_step,
 )
-from megarl.megatron.model import RecomputeSettings
-from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
-from megarl.megatron.parallel import ParallelSizes
+from megarl.megatron.optimizer import TrainableActor
+from megarl.megatron.settings import CriticSpec
 from megarl.megatron.worker import DTYPES
-
-
-@dataclass(frozen=True)
-class CriticSpec:
-    """What a CriticWorker needs to know, taken from the run config by the trainer."""
-
-    model_path: str
-    """HF directory the value model's body starts from (``critic.model_path``)."""
-    dtype: str
-    """Parameter dtype name (``model.dtype``)."""
-    sizes: ParallelSizes
-    """Megatron layout (``critic.parallel``)."""
-    optim: OptimizerSettings
-    """Optimizer and schedule (``critic.optim``, ``critic.grad_clip``)."""
-    loss: ValueLossSettings
-    """Value-loss clipping and aggregation."""
-    max_tokens_per_micro_batch: int | None
-    """Token budget of one packed micro-batch (None: one micro-batch per call)."""
-    seed: int
-    """Seed of the megatron RNGs and of the value head's initial weights."""
-    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
-    """Activation recomputation (``actor.recompute``, which the critic follows)."""
-    trust_remote_code: bool = False
-    """Let the HF config load custom code shipped with the model (``model.trust_remote_code``)."""
 
 
 def _first_of_group() -> bool:

@@ -30,6 +30,7 @@ from megarl.megatron.native_spec import (
     native_decoder_block_spec,
 )
 from megarl.megatron.parallel import ParallelSizes, init_parallel
+from megarl.megatron.settings import RecomputeSettings  # noqa: F401 (re-exported)
 
 SpecChoice = Literal["auto", "te", "native"]
 
@@ -44,36 +45,6 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # mbridge's pre-softmax routing does not
     "mixtral": {"moe_router_pre_softmax": False},
 }
-
-
-@dataclass(frozen=True)
-class RecomputeSettings:
-    """Activation recomputation of a trained model (``actor.recompute``)."""
-
-    granularity: Literal["none", "selective", "full"] = "none"
-    """none; selective = megatron's core-attention recompute; full = whole layers."""
-    method: Literal["uniform", "block"] = "uniform"
-    """full only: uniform = units of ``num_layers`` layers; block = the first ``num_layers``
-    layers of each chunk."""
-    num_layers: int = 1
-    """full only: layers per unit (uniform) or recomputed layers per chunk (block)."""
-    modules: tuple[str, ...] = ("core_attn",)
-    """selective only: megatron's ``recompute_modules``."""
-
-    def config_overrides(self) -> dict[str, Any]:
-        """The TransformerConfig fields that turn it on (none for ``granularity="none"``)."""
-        if self.granularity == "none":
-            return {}
-        if self.granularity == "selective":
-            return {"recompute_granularity": "selective", "recompute_modules": list(self.modules)}
-        return {"recompute_granularity": "full", "recompute_method": self.method,
-                "recompute_num_layers": self.num_layers}
-
-
-def recompute_settings(section: Any) -> RecomputeSettings:
-    """The settings of an ``actor.recompute`` config section."""
-    return RecomputeSettings(granularity=section.granularity, method=section.method,
-                             num_layers=section.num_layers, modules=tuple(section.modules))
 
 
 @dataclass

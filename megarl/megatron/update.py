@@ -15,7 +15,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -28,6 +27,7 @@ from megarl.megatron.cuda_graphs import GraphedChunk
 from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs, make_micro_batches
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.packing import PackedBatch
+from megarl.megatron.settings import LossSettings
 
 _METRICS = ("pg_loss", "entropy", "kl_loss", "pg_clipfrac", "ppo_kl", "tokens")
 
@@ -49,21 +49,6 @@ class TrainSequence:
     """Reference-model log-probs (needed when the KL loss is on)."""
     rollout_is_weights: torch.Tensor | None = None
     """Rollout-correction importance weights (detached inside the loss)."""
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The actor's loss (field names follow ``actor.*`` in the config)."""
-
-    loss_mode: Literal["vanilla", "gspo"] = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    loss_agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
 
 
 def _padded(values: Sequence[torch.Tensor | None], width: int) -> torch.Tensor | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,57 +24,17 @@ from megarl.megatron.checkpoint import load_checkpoint, load_model_weights, save
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.logprobs import compute_log_probs
 from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
-from megarl.megatron.offload import PARTS, OffloadSettings, StateOffloader
-from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
-from megarl.megatron.parallel import ParallelSizes
+from megarl.megatron.offload import PARTS, StateOffloader
+from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.router_replay import ROUTER_REPLAY_OVERRIDES, RouteRecording
 from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
-from megarl.megatron.update import LossSettings, TrainSequence, train_step
+from megarl.megatron.settings import DTYPES, ActorSpec
+from megarl.megatron.update import TrainSequence, train_step
 from megarl.memory import phase_memory
 from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ActorSpec:
-    """What an ActorWorker needs to know, taken from the run config by the trainer."""
-
-    model_path: str
-    dtype: str
-    sizes: ParallelSizes
-    optim: OptimizerSettings
-    loss: LossSettings
-    with_ref: bool
-    temperature: float
-    max_tokens_per_micro_batch: int | None
-    seed: int
-    log_prob_max_tokens_per_micro_batch: int | None = None
-    """Token budget of one micro-batch of the old-log-prob forward
-    (``actor.log_prob_micro_batch_size_per_gpu``); None = ``max_tokens_per_micro_batch``."""
-    ref_max_tokens_per_micro_batch: int | None = None
-    """The same for the reference forward (``ref.log_prob_micro_batch_size_per_gpu``)."""
-    init_checkpoint: str | None = None
-    """A dist checkpoint with the first weights (``model.mcore_checkpoint``); None = the HF
-    safetensors."""
-    router_replay: bool = False
-    """Build the actor's MoE routers able to record and replay routes (router replay R2/R3,
-    or measuring how often the trainer routes like the rollout engine)."""
-    cuda_graphs: bool = False
-    """Replay the update's forward/backward from CUDA graphs (``actor.cuda_graphs``)."""
-    cuda_graph_bucket_tokens: int = 1024
-    offload: OffloadSettings = field(default_factory=OffloadSettings)
-    """What the actor keeps in host memory while idle (``actor.offload``); the trainer calls
-    :meth:`ActorWorker.offload`, each phase brings back what it needs."""
-    ref_param_offload: bool = False
-    """Keep the reference model in host memory between its forwards (``ref.offload``)."""
-    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
-    """Activation recomputation of the actor (``actor.recompute``); the reference model only
-    runs forwards without gradients and keeps no activations to recompute."""
-    trust_remote_code: bool = False
-    """Let the HF config load custom code shipped with the model (``model.trust_remote_code``)."""
 
 
 def _as_tensor(values: list[float] | None) -> torch.Tensor | None:
