@@ -27,7 +27,7 @@ from megarl.scheduler.base import IdleWindow, Scheduler
 from megarl.scheduler.staleness import staleness, staleness_metrics
 
 if TYPE_CHECKING:
-    from megarl.trainer import Trainer
+    from megarl.scheduler.driver import StepDriver
 
 
 class OneStepOff(Scheduler):
@@ -35,7 +35,7 @@ class OneStepOff(Scheduler):
 
     mode = "one_step_off"
 
-    def __init__(self, trainer: Trainer, make_client: Callable[[], Any]) -> None:
+    def __init__(self, trainer: StepDriver, make_client: Callable[[], Any]) -> None:
         super().__init__(trainer)
         self.clock = BusyClock()
         self.timeout_s = trainer.cfg.trainer.phase_timeout_s
