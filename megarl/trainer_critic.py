@@ -23,6 +23,7 @@ import torch
 from megarl.algo import gae_advantages, masked_mean, outcome_to_token_rewards
 from megarl.batch import StepBatch, even_shares
 from megarl.config import RunConfig
+from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.settings import (
     CriticSpec,
@@ -93,6 +94,7 @@ def critic_spec(cfg: RunConfig) -> CriticSpec:
         loss=ValueLossSettings(cliprange_value=c.cliprange_value, loss_agg_mode=a.loss_agg_mode),
         max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
         recompute=recompute_settings(a.recompute),
+        offload=OffloadSettings(**c.offload.model_dump()),
         trust_remote_code=cfg.model.trust_remote_code)
 
 

@@ -333,16 +333,6 @@ def check_offload_param_and_optimizer(ctx: Context) -> Iterator[Problem]:
                           "alone usually frees the most GPU memory")
 
 
-def check_critic_offload(ctx: Context) -> Iterator[Problem]:
-    """The critic keeps its state on the device: its offload switches are refused, not ignored."""
-    if not ctx.cfg.critic.enabled:
-        return
-    for name, on in ctx.cfg.critic.offload.model_dump().items():
-        if on:
-            yield error(f"critic.offload.{name}", "critic offload is not built (the actor's and "
-                        "the reference's are)", f"set critic.offload.{name}=false")
-
-
 def check_not_built(ctx: Context) -> Iterator[Problem]:
     """Settings whose machinery the trainer does not have yet (not_built.py's list)."""
     for field, applies, fix in NOT_BUILT:
@@ -582,7 +572,7 @@ RULES: tuple[Rule, ...] = (
     *LAYOUT_RULES,
     check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
     check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
-    check_critic_offload, check_not_built, check_group_size,
+    check_not_built, check_group_size,
     check_critic_for_gae, check_reference_layout, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_cuda_graphs, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,

@@ -163,5 +163,8 @@ class CriticSpec:
     """Seed of the megatron RNGs and of the value head's initial weights."""
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
     """Activation recomputation (``actor.recompute``, which the critic follows)."""
+    offload: OffloadSettings = field(default_factory=OffloadSettings)
+    """What the critic keeps in host memory between its phases (``critic.offload``); each
+    phase brings back what it needs."""
     trust_remote_code: bool = False
     """Let the HF config load custom code shipped with the model (``model.trust_remote_code``)."""

@@ -278,9 +278,9 @@ FIELDS: dict[str, Row] = {
     "critic.cliprange_value": spec(0.2, "critic.loss.cliprange_value", GAE),
     "critic.grad_clip": spec(0.5, "critic.optim.grad_clip", GAE),
     **parallel_rows("critic", GAE),
-    "critic.offload.param_offload": refused("true", GAE),
-    "critic.offload.grad_offload": refused("true", GAE),
-    "critic.offload.optimizer_offload": refused("true", GAE),
+    "critic.offload.param_offload": spec("true", "critic.offload.param_offload", GAE),
+    "critic.offload.grad_offload": spec("true", "critic.offload.grad_offload", GAE),
+    "critic.offload.optimizer_offload": spec("true", "critic.offload.optimizer_offload", GAE),
     # rollout
     "rollout.backend": spec("local", "argv"),
     "rollout.n": spec(2, "sampling.n"),
