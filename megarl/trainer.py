@@ -75,29 +75,6 @@ from megarl.trainer_critic import (
 )
 from megarl.trainer_setup import Workers, build_workers, shutdown_workers
 
-# Config settings whose machinery is not part of this trainer yet: refused, never ignored.
-NOT_BUILT = (
-    ("checkpoint_engine.backend", lambda c: c.checkpoint_engine.backend in ("nixl", "disk"),
-     ("the trainer streams weights over SGLang's protocols: update_weights_from_tensor (ipc, "
-      "colocated) or update_weights_from_distributed (nccl; gloo on CPU); the nixl and disk "
-      "transports run in `megarl bench weight-sync` only so far; set "
-      "checkpoint_engine.backend=auto")),
-    ("algorithm.rollout_correction.bypass_mode",
-     lambda c: c.algorithm.rollout_correction.bypass_mode and (
-         c.algorithm.rollout_correction.rollout_is or c.algorithm.rollout_correction.rollout_rs),
-     ("bypass_mode makes the rollout log-probs the PPO anchor; IS weights / rejection against "
-      "the current policy inside the loss are not built; set algorithm.rollout_correction."
-      "rollout_is=null and rollout_rs=null, or bypass_mode=false")),
-    ("algorithm.kl_penalty", lambda c: c.algorithm.use_kl_in_reward
-     and c.algorithm.kl_penalty == "full",
-     ("the full-distribution KL needs the logits, which the trainer does not keep; use kl, abs, "
-      "mse or low_var_kl")),
-    ("actor.router_replay.mode", lambda c: c.actor.router_replay.mode == "R2"
-     and c.algorithm.rollout_correction.bypass_mode,
-     ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "
-      "actor.router_replay.mode=R3 or algorithm.rollout_correction.bypass_mode=false")),
-)
-
 
 class Trainer:
     """Drives the train and rollout pools through RL steps."""
@@ -126,7 +103,8 @@ class Trainer:
         cfg = self.cfg
         self.dataset = load_prompt_dataset(cfg.data.train_files, cfg.model.path,
                                            max_prompt_length=cfg.data.max_prompt_length,
-                                           prompt_key=cfg.data.prompt_key)
+                                           prompt_key=cfg.data.prompt_key,
+                                           trust_remote_code=cfg.model.trust_remote_code)
         self.loader = PromptLoader(self.dataset, cfg.data.train_batch_size, seed=cfg.data.seed,
                                    shuffle=cfg.data.shuffle)
         self.tokenizer = self.dataset.tokenizer
@@ -136,7 +114,7 @@ class Trainer:
         if cfg.trainer.val_every:
             self.val_dataset = load_prompt_dataset(
                 cfg.data.val_files, cfg.model.path, max_prompt_length=cfg.data.max_prompt_length,
-                prompt_key=cfg.data.prompt_key)
+                prompt_key=cfg.data.prompt_key, trust_remote_code=cfg.model.trust_remote_code)
         self.rewards = RewardManager(cfg.reward.function, batched=cfg.reward.batched,
                                      num_workers=cfg.reward.num_workers,
                                      timeout_s=cfg.reward.timeout_s,
@@ -617,12 +595,9 @@ def load_run_config(path: str, overrides: list[str],
             echo(f"error: {line}")
         return None
     problems = validate_config(cfg, sources=sources)
-    unbuilt = [f"{field}: {fix}" for field, applies, fix in NOT_BUILT if applies(cfg)]
     for problem in problems:
         echo(problem.line() if problem.severity == "error" else f"warning: {problem.line()}")
-    for line in unbuilt:
-        echo(line)
-    if unbuilt or any(p.severity == "error" for p in problems):
+    if any(p.severity == "error" for p in problems):
         return None
     return cfg, sources
 

@@ -23,12 +23,18 @@ import torch
 from megarl.algo import gae_advantages, masked_mean, outcome_to_token_rewards
 from megarl.batch import StepBatch, even_shares
 from megarl.config import RunConfig
-from megarl.megatron.critic import ValueLossSettings
-from megarl.megatron.critic_worker import CriticSpec, CriticWorker
-from megarl.megatron.model import recompute_settings
-from megarl.megatron.optimizer import OptimizerSettings
+from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.parallel import ParallelSizes
+from megarl.megatron.settings import (
+    CriticSpec,
+    OptimizerSettings,
+    ValueLossSettings,
+    recompute_settings,
+)
 from megarl.metrics.timing import reduce_metrics
+
+CRITIC_WORKER = "megarl.megatron.critic_worker:CriticWorker"
+"""Imported by the Ray workers only: the driver does not import megatron-core."""
 
 
 @dataclass
@@ -88,7 +94,9 @@ def critic_spec(cfg: RunConfig) -> CriticSpec:
         loss=ValueLossSettings(cliprange_value=c.cliprange_value, loss_agg_mode=a.loss_agg_mode,
                                norm_len=float(cfg.data.max_response_length)),
         max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
-        recompute=recompute_settings(a.recompute))
+        recompute=recompute_settings(a.recompute),
+        offload=OffloadSettings(**c.offload.model_dump()),
+        trust_remote_code=cfg.model.trust_remote_code)
 
 
 def start_critic(cfg: RunConfig, *, pool: Any = None, log_dir: Path | None = None,
@@ -104,13 +112,15 @@ def start_critic(cfg: RunConfig, *, pool: Any = None, log_dir: Path | None = Non
             raise ValueError("critic.parallel differs from actor.parallel, but with "
                              "trainer.worker_group=naive the critic shares the actor's processes "
                              "and megatron layout; set critic.parallel=null")
+        from megarl.megatron.critic_worker import CriticWorker  # this process is a train rank
+
         group = NaiveWorkerGroup(CriticWorker, "critic", args=(spec,), call_timeout_s=timeout)
     else:
         from megarl.cluster import RayWorkerGroup
 
         if log_dir is None:
             raise ValueError("start_critic: a Ray pool needs log_dir for the workers' logs")
-        group = RayWorkerGroup(CriticWorker, pool, "critic", log_dir=log_dir, args=(spec,),
+        group = RayWorkerGroup(CRITIC_WORKER, pool, "critic", log_dir=log_dir, args=(spec,),
                                env=dict(env or {}), echo_logs=False, call_timeout_s=timeout)
     return CriticWorkers.of(group)
 

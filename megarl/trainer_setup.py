@@ -20,18 +20,24 @@ from typing import Any
 from megarl.config import RunConfig
 from megarl.config.derived import derive_sizes, weight_sync_backend
 from megarl.config.model_info import ModelInfoError, load_model_info
-from megarl.megatron.model import recompute_settings
 from megarl.megatron.offload import OffloadSettings
-from megarl.megatron.optimizer import OptimizerSettings
 from megarl.megatron.parallel import ParallelSizes
-from megarl.megatron.update import LossSettings
-from megarl.megatron.worker import DTYPES, ActorSpec, ActorWorker
+from megarl.megatron.settings import (
+    DTYPES,
+    ActorSpec,
+    LossSettings,
+    OptimizerSettings,
+    recompute_settings,
+)
 from megarl.rollout.routed_experts import RoutedExpertsLayout
 from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker
 from megarl.rollout.sglang import SGLangClient
 from megarl.trainer_critic import CriticWorkers, start_critic
 from megarl.weights.flattened import FLATTENED_BUCKET
 from megarl.weights.sglang_sender import BucketSpec, plan_buckets
+
+ACTOR_WORKER = "megarl.megatron.worker:ActorWorker"
+"""Imported by the Ray workers only: the driver does not import megatron-core."""
 
 
 @dataclass
@@ -79,15 +85,19 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if a.use_dynamic_bsz:
-        budget = a.ppo_max_token_len_per_gpu
+    if a.use_dynamic_bsz:  # the log-prob forwards pack by the same token budget
+        budget, log_prob_budget, ref_budget = a.ppo_max_token_len_per_gpu, None, None
     else:
         micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or 1
         budget = micro * seq_len
+        log_prob_budget = (a.log_prob_micro_batch_size_per_gpu or micro) * seq_len
+        ref_budget = (cfg.ref.log_prob_micro_batch_size_per_gpu or micro) * seq_len
     return ActorSpec(model_path=cfg.model.path, dtype=cfg.model.dtype, sizes=sizes, optim=optim,
                      loss=loss, with_ref=bool(cfg.ref.enabled),
                      temperature=cfg.rollout.temperature or 1.0,
                      max_tokens_per_micro_batch=budget, seed=cfg.trainer.seed,
+                     log_prob_max_tokens_per_micro_batch=log_prob_budget,
+                     ref_max_tokens_per_micro_batch=ref_budget,
                      init_checkpoint=cfg.model.mcore_checkpoint,
                      router_replay=(a.router_replay.mode != "disabled"
                                     or bool(cfg.rollout.enable_return_routed_experts)),
@@ -95,7 +105,8 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens,
                      offload=OffloadSettings(**a.offload.model_dump()),
                      ref_param_offload=cfg.ref.offload.param_offload,
-                     recompute=recompute_settings(a.recompute))
+                     recompute=recompute_settings(a.recompute),
+                     trust_remote_code=cfg.model.trust_remote_code)
 
 
 def engine_max_num_seqs(cfg: RunConfig) -> int | None:
@@ -119,7 +130,8 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       seed=cfg.trainer.seed, log_dir=str(log_dir),
                       gpus_per_engine=r.gpus_per_engine, mem_fraction=r.gpu_memory_utilization,
                       return_routed_experts=bool(r.enable_return_routed_experts),
-                      colocated=r.colocate, api_key=r.api_key)
+                      colocated=r.colocate, api_key=r.api_key,
+                      trust_remote_code=cfg.model.trust_remote_code)
 
 
 class _DriverHttp:
@@ -254,7 +266,7 @@ def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
     timeout = cfg.trainer.phase_timeout_s
 
     def start_actor() -> RayWorkerGroup:
-        return RayWorkerGroup(ActorWorker, pools["train_pool"], "actor", log_dir=log_dir,
+        return RayWorkerGroup(ACTOR_WORKER, pools["train_pool"], "actor", log_dir=log_dir,
                               args=(actor_spec(cfg),), env=env, echo_logs=False,
                               call_timeout_s=timeout)
 
@@ -327,9 +339,12 @@ def build_naive_workers(cfg: RunConfig, output_dir: Path) -> Workers:
         servers = launch_local_engines(
             cfg.model.path, num_engines, host=spec.host, device=ctx.device,
             num_threads=spec.num_threads, log_dir=spec.log_dir, api_key=spec.api_key,
-            seed=spec.seed, extra_args=["--dtype", spec.dtype])
+            seed=spec.seed, extra_args=["--dtype", spec.dtype,
+                                        *(["--trust-remote-code"] * spec.trust_remote_code)])
     box = [[s.url for s in servers]]
     dist.broadcast_object_list(box, src=0)
+    from megarl.megatron.worker import ActorWorker  # this process is a train rank
+
     actor = NaiveWorkerGroup(ActorWorker, "actor", args=(actor_spec(cfg),),
                              call_timeout_s=cfg.trainer.phase_timeout_s)
     workers = _assemble(cfg, actor, _LocalServers(servers), box[0], ctx.rank == 0, ctx.device,

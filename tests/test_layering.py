@@ -5,6 +5,9 @@ engines (the Megatron train side and the rollout side) meet only through the che
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,10 +39,11 @@ def _type_checking_lines(tree: ast.Module) -> set[int]:
     return lines
 
 
-def megarl_imports(path: Path) -> list[tuple[int, str]]:
-    """(line, top-level megarl module) of every run-time import in a file."""
+def megarl_imports(path: Path, with_hints: bool = False) -> list[tuple[int, str]]:
+    """(line, top-level megarl module) of every run-time import in a file (``with_hints``:
+    and of every type-hint import)."""
     tree = ast.parse(path.read_text())
-    hints = _type_checking_lines(tree)
+    hints = set() if with_hints else _type_checking_lines(tree)
     found = []
     for node in ast.walk(tree):
         names = []
@@ -68,9 +72,30 @@ def test_packages_import_downward_only(package):
     assert not bad, "\n".join(bad)
 
 
+def test_schedulers_do_not_know_the_trainer_module():
+    """The trainer imports the schedulers; they see it through scheduler/driver.py's StepDriver
+    protocol, not even as a type hint (no import cycle)."""
+    bad = [f"{path.relative_to(ROOT.parent)}:{line} imports megarl.{target}"
+           for path in _files("scheduler") for line, target in megarl_imports(path, True)
+           if target in TRAINER]
+    assert not bad, "\n".join(bad)
+
+
 def test_the_checker_sees_function_level_imports(tmp_path):
     source = tmp_path / "m.py"
     source.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
                       "    from megarl.trainer import Trainer\n"
                       "def f():\n    from megarl.rollout.process import free_port\n")
     assert megarl_imports(source) == [(5, "rollout")]
+    assert megarl_imports(source, with_hints=True) == [(3, "trainer"), (5, "rollout")]
+
+
+def test_the_driver_does_not_import_megatron():
+    """The driver builds the workers' specs from megarl.megatron.settings and names the worker
+    classes by path; megatron-core (seconds to import) loads in the train workers only."""
+    code = ("import sys, megarl.cli, megarl.trainer, megarl.trainer_setup, megarl.trainer_critic; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'mbridge')))")
+    env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True, cwd=ROOT.parent, env=env)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -26,7 +26,7 @@ from typing import Any
 
 from megarl.cluster.errors import RankFailure, WorkerError
 from megarl.cluster.logs import STACK_DUMP_SIGNAL, redirect_output, tail_lines
-from megarl.cluster.worker import Worker, WorkerInfo
+from megarl.cluster.worker import Worker, WorkerClass, WorkerInfo, worker_class
 
 STACK_DUMP_MARKER = "=== megarl: stack dump of every thread"
 
@@ -83,11 +83,12 @@ class WorkerHost:
                   f"on {info.hostname} ({info.node_ip}) started at {time.ctime()} ===",
                   flush=True)
 
-    def construct(self, worker_cls: type[Worker], args: tuple, kwargs: dict[str, Any]) -> None:
-        """Instantiate the worker class with its identity set before ``__init__``."""
+    def construct(self, worker_cls: WorkerClass, args: tuple, kwargs: dict[str, Any]) -> None:
+        """Instantiate the worker class (importing a ``"module:Name"`` path here) with its
+        identity set before ``__init__``."""
         info = self._require_info()
         self._worker = self._run(
-            "__init__", lambda: worker_cls.create_with_info(info, args, kwargs))
+            "__init__", lambda: worker_class(worker_cls).create_with_info(info, args, kwargs))
 
     def call_packed(self, method: str, payload: tuple[tuple, dict[str, Any]]) -> Any:
         """Run ``worker.method(*args, **kwargs)`` for ``payload = (args, kwargs)``; an

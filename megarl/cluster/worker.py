@@ -11,6 +11,7 @@ torchrun, reuses) the default ``torch.distributed`` group from the ``MASTER_ADDR
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 from collections.abc import Sequence
@@ -209,3 +210,26 @@ class WorkerGroup(Protocol):
     def shutdown(self) -> None:
         """Stop the workers."""
         ...
+
+
+WorkerClass = type[Worker] | str
+"""A worker class, or its ``"module:Name"`` path: imported only where the worker runs, so that
+the driver need not import what the worker does (megatron-core for the train workers)."""
+
+
+def worker_class(ref: WorkerClass) -> type[Worker]:
+    """The class of ``ref`` (imported here for a ``"module:Name"`` path); a TypeError unless it
+    is a :class:`Worker` subclass."""
+    cls: Any = ref
+    if isinstance(ref, str):
+        module, _, name = ref.partition(":")
+        cls = getattr(importlib.import_module(module), name)
+    if not (isinstance(cls, type) and issubclass(cls, Worker)):
+        raise TypeError(f"worker class must be a subclass of megarl.cluster.Worker or its "
+                        f"'module:Name' path, got {ref!r}")
+    return cls
+
+
+def worker_class_name(ref: WorkerClass) -> str:
+    """The class name of ``ref``, without importing a path."""
+    return ref.rpartition(":")[2] if isinstance(ref, str) else ref.__name__

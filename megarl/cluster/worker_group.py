@@ -48,7 +48,7 @@ from megarl.cluster.errors import (
     WorkerTimeoutError,
 )
 from megarl.cluster.pools import ResourcePool, Slot, ip_sort_key
-from megarl.cluster.worker import Worker, WorkerInfo
+from megarl.cluster.worker import WorkerClass, WorkerInfo, worker_class, worker_class_name
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class RayWorkerGroup:
 
     def __init__(
         self,
-        worker_cls: type[Worker],
+        worker_cls: WorkerClass,
         pool: ResourcePool,
         role: str,
         *,
@@ -104,10 +104,13 @@ class RayWorkerGroup:
         start_timeout_s: float = 300.0,
         echo_logs: bool = True,
     ) -> None:
-        if not (isinstance(worker_cls, type) and issubclass(worker_cls, Worker)):
-            raise TypeError(f"RayWorkerGroup({role!r}): worker_cls must be a subclass of "
-                            f"megarl.cluster.Worker, got {worker_cls!r}")
+        if not isinstance(worker_cls, str):  # a path is imported where the workers run
+            try:
+                worker_class(worker_cls)
+            except TypeError as err:
+                raise TypeError(f"RayWorkerGroup({role!r}): {err}") from None
         self.worker_cls = worker_cls
+        self.worker_name = worker_class_name(worker_cls)
         self.pool = pool
         self.role = role
         self.log_dir = Path(log_dir).absolute()
@@ -169,9 +172,9 @@ class RayWorkerGroup:
         self._rendezvous(timeout_s, echo)
         refs = [h.construct.options(name=f"{self.role}.__init__").remote(
             self.worker_cls, args, kwargs) for h in self._handles]
-        self.wait(refs, f"{self.worker_cls.__name__}.__init__", timeout_s)
+        self.wait(refs, f"{self.worker_name}.__init__", timeout_s)
         logger.info("%s: %d workers of %s started in %.1f s (logs in %s)", self.role,
-                    self.world_size, self.worker_cls.__name__, time.monotonic() - t0,
+                    self.world_size, self.worker_name, time.monotonic() - t0,
                     self.log_dir)
 
     def _assign_ranks(self, placements: list[dict[str, Any]]) -> None:
@@ -247,8 +250,10 @@ class RayWorkerGroup:
         return handle.call_packed.options(name=f"{self.role}.{method}").remote(method, payload)
 
     def _check_method(self, method: str) -> None:
+        if isinstance(self.worker_cls, str):
+            return  # not imported here; the worker reports a missing method
         if not callable(getattr(self.worker_cls, method, None)):
-            raise TypeError(f"{self.role}: worker class {self.worker_cls.__name__} has no "
+            raise TypeError(f"{self.role}: worker class {self.worker_name} has no "
                                  f"method {method!r}")
 
     def wait(self, refs: list[Any], phase: str, timeout_s: float | None) -> list[Any]:

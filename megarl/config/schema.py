@@ -98,8 +98,10 @@ class FilterGroupsConfig(Section):
         "drop groups with zero reward variance and refill (every scheduler; colocate_sync and "
         "one_step_off generate further batches of prompts until the step is full and log the "
         "number of rounds as `train/num_gen_batches`)"))
-    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field("acc", description=(
-        "per-response value whose variance decides whether a group is kept"))
+    metric: Literal["acc", "score", "seq_reward", "seq_final_reward"] = Field("score", description=(
+        "per-response value whose variance decides whether a group is kept: score, or "
+        "seq_reward (the same for an outcome reward: the sum of the token-level scores); verl's "
+        "acc and seq_final_reward are refused (not built yet)"))
     max_num_gen_batches: int = Field(0, ge=0, description=(
         "generation batches tried per step before giving up; 0 = no limit"))
 

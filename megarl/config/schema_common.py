@@ -93,7 +93,8 @@ class OptimConfig(Section):
 
 class OffloadConfig(Section):
     """What a trained role moves to host memory between its phases (verl's Megatron offload):
-    while the engines generate, brought back by the phase that needs it."""
+    while the engines generate, brought back by the phase that needs it. The critic keeps what
+    is switched on in host memory outside its two phases (values, update)."""
 
     param_offload: bool = Field(False, description=(
         "keep parameters in host memory (pinned) from the weight sync to the next old-log-prob "

@@ -187,7 +187,10 @@ class ActorConfig(Section):
         "with `cuda_graphs`: micro-batches are padded up to a multiple of this many tokens, "
         "one pair of graphs per multiple (at most 8, later shapes run eagerly)"))
     log_prob_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description=(
-        "sequences per forward when recomputing old log-probs; null = the training micro-batch"))
+        "sequences per forward when recomputing old log-probs: micro-batches are packed up to "
+        "this many x (max_prompt_length + max_response_length) tokens, as training packs by "
+        "`ppo_micro_batch_size_per_gpu`; null = the training micro-batch; with `use_dynamic_bsz` "
+        "the forward packs by `ppo_max_token_len_per_gpu` instead"))
 
 
 class RefOffloadConfig(Section):
@@ -203,11 +206,13 @@ class RefConfig(Section):
     enabled: bool | None = Field(None, description=(
         "null = on when `actor.use_kl_loss` or `algorithm.use_kl_in_reward` is set"))
     parallel: ParallelConfig | None = Field(None, description=(
-        "Megatron layout of the reference; null = the actor's"))
+        "Megatron layout of the reference: it is built in the actor's workers, so it must equal "
+        "the actor's (anything else is refused); null = the actor's"))
     offload: RefOffloadConfig = Field(default_factory=RefOffloadConfig, description=(
         "host-memory offload"))
     log_prob_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description=(
-        "sequences per forward; null = the actor's log-prob micro-batch"))
+        "sequences per reference forward, packed as the actor's log-prob forward; null = the "
+        "actor's log-prob micro-batch"))
 
 
 class CriticConfig(Section):

@@ -25,6 +25,7 @@ from megarl.config.derived import (
 )
 from megarl.config.estimates import check_memory_fits
 from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info, weight_files
+from megarl.config.not_built import NOT_BUILT
 from megarl.config.problems import Context, Problem, error, warning
 from megarl.config.schema import RunConfig
 from megarl.config.schema_common import is_loopback_host
@@ -332,14 +333,11 @@ def check_offload_param_and_optimizer(ctx: Context) -> Iterator[Problem]:
                           "alone usually frees the most GPU memory")
 
 
-def check_critic_offload(ctx: Context) -> Iterator[Problem]:
-    """The critic keeps its state on the device: its offload switches are refused, not ignored."""
-    if not ctx.cfg.critic.enabled:
-        return
-    for name, on in ctx.cfg.critic.offload.model_dump().items():
-        if on:
-            yield error(f"critic.offload.{name}", "critic offload is not built (the actor's and "
-                        "the reference's are)", f"set critic.offload.{name}=false")
+def check_not_built(ctx: Context) -> Iterator[Problem]:
+    """Settings whose machinery the trainer does not have yet (not_built.py's list)."""
+    for field, applies, fix in NOT_BUILT:
+        if applies(ctx.cfg):
+            yield error(field, "not built in this version of megarl", fix)
 
 
 GROUP_ESTIMATORS = ("grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline")
@@ -377,6 +375,19 @@ def check_critic_for_gae(ctx: Context) -> Iterator[Problem]:
         yield warning(("critic.enabled", "algorithm.adv_estimator"), f"the critic is trained but "
                       f"{cfg.algorithm.adv_estimator} does not use it",
                       "leave critic.enabled unset")
+
+
+def check_reference_layout(ctx: Context) -> Iterator[Problem]:
+    """The reference model is built inside the actor's workers, with the actor's layout."""
+    ref, actor = ctx.cfg.ref.parallel, ctx.cfg.actor.parallel
+    if ref is None:
+        return
+    for name, value in ref.model_dump().items():
+        if value != getattr(actor, name):
+            yield error(f"ref.parallel.{name}", f"{value} differs from actor.parallel.{name}="
+                        f"{getattr(actor, name)}, but the reference model shares the actor's "
+                        "workers and layout", "remove ref.parallel or set it equal to "
+                        "actor.parallel")
 
 
 def check_reference_for_kl(ctx: Context) -> Iterator[Problem]:
@@ -556,6 +567,12 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
     return [
         ("actor.ppo_max_token_len_per_gpu", not cfg.actor.use_dynamic_bsz,
          "set actor.use_dynamic_bsz=true"),
+        ("actor.log_prob_micro_batch_size_per_gpu", cfg.actor.use_dynamic_bsz,
+         ("set actor.use_dynamic_bsz=false (with it the forward packs by "
+          "actor.ppo_max_token_len_per_gpu)")),
+        ("ref.log_prob_micro_batch_size_per_gpu", cfg.actor.use_dynamic_bsz,
+         ("set actor.use_dynamic_bsz=false (with it the forward packs by "
+          "actor.ppo_max_token_len_per_gpu)")),
         ("actor.kl_loss_coef", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
         ("actor.kl_loss_type", not cfg.actor.use_kl_loss, "set actor.use_kl_loss=true"),
         ("actor.recompute.method", full_rc, "set actor.recompute.granularity=full"),
@@ -605,8 +622,8 @@ RULES: tuple[Rule, ...] = (
     *LAYOUT_RULES,
     check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
     check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
-    check_critic_offload, check_group_size, check_estimator_is_built,
-    check_critic_for_gae, check_reference_for_kl, check_policy_loss_settings,
+    check_not_built, check_group_size, check_estimator_is_built, check_critic_for_gae,
+    check_reference_layout, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_cuda_graphs, check_training_safety,
     check_validation_data, check_optional_packages, check_settings_without_effect,
     check_memory_fits,

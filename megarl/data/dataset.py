@@ -290,11 +290,13 @@ def load_prompt_dataset(
     *,
     max_prompt_length: int,
     prompt_key: str = "prompt",
+    trust_remote_code: bool = False,
 ) -> PromptDataset:
-    """A :class:`PromptDataset` using the tokenizer and vocab size of an HF model directory."""
+    """A :class:`PromptDataset` using the tokenizer and vocab size of an HF model directory
+    (``trust_remote_code``: the tokenizer may run custom code shipped with the model)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=trust_remote_code)
     return PromptDataset(
         files, tokenizer, max_prompt_length=max_prompt_length,
         vocab_size=model_vocab_size(model_path), prompt_key=prompt_key,

@@ -41,6 +41,7 @@ from megarl.megatron.model import ActorModel, RecomputeSettings, SpecChoice, bui
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.packing import PackedBatch
 from megarl.megatron.parallel import ParallelSizes
+from megarl.megatron.settings import ValueLossSettings
 
 _METRICS = ("vf_loss", "vf_clipfrac", "vpred_sum", "tokens")
 
@@ -86,12 +87,13 @@ def build_critic_model(
     spec: SpecChoice = "auto",
     seed: int = 1234,
     recompute: RecomputeSettings | None = None,
+    trust_remote_code: bool = False,
 ) -> ActorModel:
     """This rank's critic chunks: the HF model's body (weights loaded) under ``sizes``, with a
     :class:`ValueHead` (seeded by ``seed``) on the last pipeline stage."""
     overrides = recompute.config_overrides() if recompute is not None else None
     model = build_actor_model(hf_path, sizes, dtype, spec=spec, load_weights=True, seed=seed,
-                              config_overrides=overrides)
+                              config_overrides=overrides, trust_remote_code=trust_remote_code)
     for chunk in model.chunks:
         # the embedding is the body's own; finalize_model_grads must not tie it to the head
         chunk.share_embeddings_and_output_weights = False
@@ -114,16 +116,6 @@ class ValueSequence:
     """The values GAE used (the clipping centre)."""
     returns: torch.Tensor
     """The regression targets (GAE advantages + values)."""
-
-
-@dataclass(frozen=True)
-class ValueLossSettings:
-    """The critic's loss (``critic.cliprange_value``; aggregation as the actor's)."""
-
-    cliprange_value: float = 0.5
-    loss_agg_mode: str = "token-mean"
-    norm_len: float | None = None
-    """The constant of ``seq-mean-token-sum-norm`` (``data.max_response_length``)."""
 
 
 def _head_values(output: torch.Tensor) -> torch.Tensor:

@@ -3,13 +3,16 @@
 Each worker joins its group's ``torch.distributed`` world (its own Ray worker group; under
 torchrun the processes the actor runs in, with the actor's layout), builds its shard of the
 Megatron value model (:mod:`megarl.megatron.critic`) from the HF directory, and serves the
-trainer's calls: values of sequences, and value-loss updates on mini-batches. Data travels as
+trainer's calls: values of sequences, and value-loss updates on mini-batches. What
+``critic.offload`` switches on stays in host memory between those calls (the actor's
+StateOffloader). Data travels as
 plain Python lists; the trainer gives every rank of one data-parallel group the same share.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -18,38 +21,15 @@ from megatron.core import parallel_state as mpu
 from megarl.cluster.worker import Worker
 from megarl.megatron.checkpoint import load_checkpoint, save_checkpoint
 from megarl.megatron.critic import (
-    ValueLossSettings,
     ValueSequence,
     build_critic_model,
     compute_values,
     critic_train_step,
 )
-from megarl.megatron.model import RecomputeSettings
-from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
-from megarl.megatron.parallel import ParallelSizes
+from megarl.megatron.offload import PARTS, StateOffloader
+from megarl.megatron.optimizer import TrainableActor
+from megarl.megatron.settings import CriticSpec
 from megarl.megatron.worker import DTYPES
-
-
-@dataclass(frozen=True)
-class CriticSpec:
-    """What a CriticWorker needs to know, taken from the run config by the trainer."""
-
-    model_path: str
-    """HF directory the value model's body starts from (``critic.model_path``)."""
-    dtype: str
-    """Parameter dtype name (``model.dtype``)."""
-    sizes: ParallelSizes
-    """Megatron layout (``critic.parallel``)."""
-    optim: OptimizerSettings
-    """Optimizer and schedule (``critic.optim``, ``critic.grad_clip``)."""
-    loss: ValueLossSettings
-    """Value-loss clipping and aggregation."""
-    max_tokens_per_micro_batch: int | None
-    """Token budget of one packed micro-batch (None: one micro-batch per call)."""
-    seed: int
-    """Seed of the megatron RNGs and of the value head's initial weights."""
-    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
-    """Activation recomputation (``actor.recompute``, which the critic follows)."""
 
 
 def _first_of_group() -> bool:
@@ -67,8 +47,25 @@ class CriticWorker(Worker):
         torch.manual_seed(spec.seed)
         self.spec = spec
         model = build_critic_model(spec.model_path, spec.sizes, DTYPES[spec.dtype],
-                                   seed=spec.seed, recompute=spec.recompute)
+                                   seed=spec.seed, recompute=spec.recompute,
+                                   trust_remote_code=spec.trust_remote_code)
         self.critic = TrainableActor(model, spec.optim)
+        self.offloader = StateOffloader(model.chunks, self.critic.optimizer)
+        self.offloader.offload(spec.offload.parts())
+
+    @contextlib.contextmanager
+    def _on_device(self, parts: Sequence[str]) -> Iterator[None]:
+        """``parts`` of the critic's state on the device inside the block; afterwards what
+        ``critic.offload`` switches on goes back to host memory until the next phase."""
+        self.offloader.reload(parts)
+        try:
+            yield
+        finally:
+            self.offloader.offload(self.spec.offload.parts())
+
+    def offloaded_parts(self) -> list[str]:
+        """The parts of the critic's state in host memory now (:data:`PARTS` names)."""
+        return sorted(self.offloader.offloaded)
 
     def layout(self) -> dict[str, int]:
         """This rank's data-parallel coordinates and whether it reports results for its group."""
@@ -80,36 +77,41 @@ class CriticWorker(Worker):
         """Values of every token of this rank's sequences, aligned with the tokens (entry ``j``:
         the value of the state before token ``j``; entry 0 is 0)."""
         tokens = [torch.tensor(s, dtype=torch.long) for s in sequences]
-        values = compute_values(self.critic.model, tokens,
-                                max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
+        with self._on_device(["param"]):
+            values = compute_values(self.critic.model, tokens,
+                                    max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
         return [v.tolist() for v in values]
 
     def update(self, mini_batches: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
         """One optimizer step per mini-batch of this rank's records (``tokens``, ``loss_mask``,
         ``values``, ``returns``: per-token lists over prompt + response); metrics per step."""
-        metrics = []
-        for mini_batch in mini_batches:
-            sequences = [
-                ValueSequence(
-                    tokens=torch.tensor(r["tokens"], dtype=torch.long),
-                    loss_mask=torch.tensor(r["loss_mask"], dtype=torch.float32),
-                    old_values=torch.tensor(r["values"], dtype=torch.float32),
-                    returns=torch.tensor(r["returns"], dtype=torch.float32),
-                )
-                for r in mini_batch
-            ]
-            metrics.append(critic_train_step(
-                self.critic, sequences, self.spec.loss,
-                max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch))
-        return metrics
+        with self._on_device(PARTS):
+            return [self._update_one(mini_batch) for mini_batch in mini_batches]
+
+    def _update_one(self, mini_batch: list[dict[str, Any]]) -> dict[str, float]:
+        """One optimizer step on one mini-batch of records."""
+        sequences = [
+            ValueSequence(
+                tokens=torch.tensor(r["tokens"], dtype=torch.long),
+                loss_mask=torch.tensor(r["loss_mask"], dtype=torch.float32),
+                old_values=torch.tensor(r["values"], dtype=torch.float32),
+                returns=torch.tensor(r["returns"], dtype=torch.float32),
+            )
+            for r in mini_batch
+        ]
+        return critic_train_step(self.critic, sequences, self.spec.loss,
+                                 max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
 
     def save_checkpoint(self, root: str, step: int, extra: dict[str, Any],
                         keep_last: int | None) -> str:
         """Save the value model, optimizer, LR schedule and RNG states at ``step`` under ``root``
         (collective; a root of its own, next to the actor's). Returns the directory."""
-        return str(save_checkpoint(root, self.critic, step, extra=extra, keep_last=keep_last))
+        with self._on_device(PARTS):
+            return str(save_checkpoint(root, self.critic, step, extra=extra,
+                                       keep_last=keep_last))
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the critic from a checkpoint (a directory or a root's latest); collective."""
-        loaded = load_checkpoint(path, self.critic)
+        with self._on_device(PARTS):
+            loaded = load_checkpoint(path, self.critic)
         return {"path": str(loaded.path), "step": loaded.step, "extra": loaded.extra}

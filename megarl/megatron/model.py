@@ -30,6 +30,7 @@ from megarl.megatron.native_spec import (
     native_decoder_block_spec,
 )
 from megarl.megatron.parallel import ParallelSizes, init_parallel
+from megarl.megatron.settings import RecomputeSettings  # noqa: F401 (re-exported)
 
 SpecChoice = Literal["auto", "te", "native"]
 
@@ -44,36 +45,6 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # mbridge's pre-softmax routing does not
     "mixtral": {"moe_router_pre_softmax": False},
 }
-
-
-@dataclass(frozen=True)
-class RecomputeSettings:
-    """Activation recomputation of a trained model (``actor.recompute``)."""
-
-    granularity: Literal["none", "selective", "full"] = "none"
-    """none; selective = megatron's core-attention recompute; full = whole layers."""
-    method: Literal["uniform", "block"] = "uniform"
-    """full only: uniform = units of ``num_layers`` layers; block = the first ``num_layers``
-    layers of each chunk."""
-    num_layers: int = 1
-    """full only: layers per unit (uniform) or recomputed layers per chunk (block)."""
-    modules: tuple[str, ...] = ("core_attn",)
-    """selective only: megatron's ``recompute_modules``."""
-
-    def config_overrides(self) -> dict[str, Any]:
-        """The TransformerConfig fields that turn it on (none for ``granularity="none"``)."""
-        if self.granularity == "none":
-            return {}
-        if self.granularity == "selective":
-            return {"recompute_granularity": "selective", "recompute_modules": list(self.modules)}
-        return {"recompute_granularity": "full", "recompute_method": self.method,
-                "recompute_num_layers": self.num_layers}
-
-
-def recompute_settings(section: Any) -> RecomputeSettings:
-    """The settings of an ``actor.recompute`` config section."""
-    return RecomputeSettings(granularity=section.granularity, method=section.method,
-                             num_layers=section.num_layers, modules=tuple(section.modules))
 
 
 @dataclass
@@ -217,18 +188,20 @@ def build_actor_model(
     load_weights: bool = True,
     config_overrides: dict[str, Any] | None = None,
     seed: int = 1234,
+    trust_remote_code: bool = False,
 ) -> ActorModel:
     """Build this rank's GPT model chunks for the HF model at ``hf_path`` and load its weights.
 
     Creates the megatron parallel groups for ``sizes`` if none exist (``torch.distributed`` must
-    be initialised). ``config_overrides`` are TransformerConfig fields applied last.
+    be initialised). ``config_overrides`` are TransformerConfig fields applied last;
+    ``trust_remote_code`` lets the HF config load custom code shipped with the model.
     """
     cpu_compat.enable()
     if not mpu.model_parallel_is_initialized():
         init_parallel(sizes, seed=seed)
     _check_layout(sizes)
     chosen = resolve_spec(spec)
-    hf_config = load_hf_config(hf_path)
+    hf_config = load_hf_config(hf_path, trust_remote_code)
     vocab_multiple = sizes.tp if hf_config.vocab_size % sizes.tp else None
     bridge = make_bridge(hf_config, dtype=dtype, make_vocab_size_divisible_by=vocab_multiple)
     overrides = _config_overrides(hf_config, sizes, dtype, chosen)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -14,39 +14,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.megatron.model import ActorModel
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """Optimizer and schedule of the actor (field names follow ``actor.optim`` in the config)."""
-
-    lr: float = 1e-6
-    """Peak learning rate."""
-    weight_decay: float = 0.01
-    """Decoupled weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """Adam beta1, beta2."""
-    lr_warmup_steps: int = 0
-    """Optimizer steps of linear warm-up from 0 to ``lr``."""
-    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
-    """Decay after warm-up, down to ``min_lr`` at ``total_steps``."""
-    min_lr: float = 0.0
-    """Learning rate at the end of the decay."""
-    total_steps: int = 1
-    """Optimizer steps of the whole run (the decay horizon)."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clipping threshold; 0 turns clipping off."""
-    use_distributed_optimizer: bool = True
-    """Shard optimizer states over data-parallel ranks."""
-    optimizer: Literal["adam", "sgd"] = "adam"
-    """Adam (training) or plain SGD without momentum (exact-update tests)."""
-
-    def __post_init__(self) -> None:
-        if self.optimizer == "sgd" and self.use_distributed_optimizer:
-            raise ValueError(
-                "optimizer='sgd' with use_distributed_optimizer=True: megatron shards Adam "
-                "states only; set use_distributed_optimizer=False"
-            )
+from megarl.megatron.settings import OptimizerSettings
 
 
 @dataclass

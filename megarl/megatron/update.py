@@ -33,6 +33,7 @@ from megarl.megatron.cuda_graphs import GraphedChunk
 from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs, make_micro_batches
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.packing import PackedBatch
+from megarl.megatron.settings import LossSettings
 
 _METRICS = ("pg_loss", "entropy", "kl_loss", "pg_clipfrac", "ppo_kl", "tokens")
 
@@ -54,30 +55,6 @@ class TrainSequence:
     """Reference-model log-probs (needed when the KL loss is on)."""
     rollout_is_weights: torch.Tensor | None = None
     """Rollout-correction importance weights (detached inside the loss)."""
-
-
-@dataclass(frozen=True)
-class LossSettings:
-    """The actor's loss (field names follow ``actor.*`` in the config)."""
-
-    loss_mode: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0
-    clip_cov_ratio: float = 2e-4
-    clip_cov_lb: float = 1.0
-    clip_cov_ub: float = 5.0
-    kl_cov_ratio: float = 2e-4
-    ppo_kl_coef: float = 1.0
-    tau_pos: float = 1.0
-    tau_neg: float = 1.05
-    loss_agg_mode: str = "token-mean"
-    norm_len: float | None = None
-    """The constant of ``seq-mean-token-sum-norm`` (``data.max_response_length``)."""
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
 
 
 def _padded(values: Sequence[torch.Tensor | None], width: int) -> torch.Tensor | None:

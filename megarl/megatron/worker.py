@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,50 +24,17 @@ from megarl.megatron.checkpoint import load_checkpoint, load_model_weights, save
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.logprobs import compute_log_probs
 from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
-from megarl.megatron.offload import PARTS, OffloadSettings, StateOffloader
-from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
-from megarl.megatron.parallel import ParallelSizes
+from megarl.megatron.offload import PARTS, StateOffloader
+from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.router_replay import ROUTER_REPLAY_OVERRIDES, RouteRecording
 from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
-from megarl.megatron.update import LossSettings, TrainSequence, train_step
+from megarl.megatron.settings import DTYPES, ActorSpec
+from megarl.megatron.update import TrainSequence, train_step
 from megarl.memory import phase_memory
 from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass(frozen=True)
-class ActorSpec:
-    """What an ActorWorker needs to know, taken from the run config by the trainer."""
-
-    model_path: str
-    dtype: str
-    sizes: ParallelSizes
-    optim: OptimizerSettings
-    loss: LossSettings
-    with_ref: bool
-    temperature: float
-    max_tokens_per_micro_batch: int | None
-    seed: int
-    init_checkpoint: str | None = None
-    """A dist checkpoint with the first weights (``model.mcore_checkpoint``); None = the HF
-    safetensors."""
-    router_replay: bool = False
-    """Build the actor's MoE routers able to record and replay routes (router replay R2/R3,
-    or measuring how often the trainer routes like the rollout engine)."""
-    cuda_graphs: bool = False
-    """Replay the update's forward/backward from CUDA graphs (``actor.cuda_graphs``)."""
-    cuda_graph_bucket_tokens: int = 1024
-    offload: OffloadSettings = field(default_factory=OffloadSettings)
-    """What the actor keeps in host memory while idle (``actor.offload``); the trainer calls
-    :meth:`ActorWorker.offload`, each phase brings back what it needs."""
-    ref_param_offload: bool = False
-    """Keep the reference model in host memory between its forwards (``ref.offload``)."""
-    recompute: RecomputeSettings = field(default_factory=RecomputeSettings)
-    """Activation recomputation of the actor (``actor.recompute``); the reference model only
-    runs forwards without gradients and keeps no activations to recompute."""
 
 
 def _as_tensor(values: list[float] | None) -> torch.Tensor | None:
@@ -155,7 +121,8 @@ class ActorWorker(Worker):
         overrides.update(recompute.config_overrides() if recompute is not None else {})
         model = build_actor_model(spec.model_path, spec.sizes, dtype, seed=spec.seed,
                                   load_weights=spec.init_checkpoint is None,
-                                  config_overrides=overrides)
+                                  config_overrides=overrides,
+                                  trust_remote_code=spec.trust_remote_code)
         if spec.init_checkpoint is not None:
             load_model_weights(spec.init_checkpoint, model)
         return model
@@ -188,16 +155,19 @@ class ActorWorker(Worker):
         model = self.ref if use_ref else self.actor.model
         assert model is not None, "reference model requested but not built"
         offloader = self.ref_offloader if use_ref else self.offloader
+        budget = (self.spec.ref_max_tokens_per_micro_batch if use_ref
+                  else self.spec.log_prob_max_tokens_per_micro_batch)
+        budget = budget or self.spec.max_tokens_per_micro_batch
         tokens = [torch.tensor(s, dtype=torch.long) for s in sequences]
         for chunk in model.chunks:
             chunk.eval()
         with self._phase("ref" if use_ref else "old_log_prob"):
             offloader.reload(["param"])
-            with self._routing(model, tokens, routes, record_routes) as recording, \
+            with self._routing(model, tokens, routes, record_routes, budget) as recording, \
                     torch.no_grad():
                 out = compute_log_probs(
                     model, tokens, temperature=self.spec.temperature, with_entropy=with_entropy,
-                    max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
+                    max_tokens_per_micro_batch=budget)
             if use_ref and self.spec.ref_param_offload:
                 offloader.offload(["param"])
         result: dict[str, list] = {"log_probs": [lp.float().tolist() for lp in out.log_probs]}
@@ -209,9 +179,10 @@ class ActorWorker(Worker):
 
     @contextlib.contextmanager
     def _routing(self, model: ActorModel, tokens: list[torch.Tensor],
-                 routes: list[torch.Tensor] | None, record: bool) -> Iterator[RouteRecording]:
-        """Replay ``routes`` and/or record the routes of the one forward run in the block."""
-        budget = self.spec.max_tokens_per_micro_batch
+                 routes: list[torch.Tensor] | None, record: bool,
+                 budget: int | None) -> Iterator[RouteRecording]:
+        """Replay ``routes`` and/or record the routes of the one forward run in the block, which
+        packs micro-batches of ``budget`` tokens."""
         if routes is not None:
             with replay_routes_in(model, tokens, routes, max_tokens_per_micro_batch=budget,
                                   record=record) as recording:
@@ -254,7 +225,8 @@ class ActorWorker(Worker):
             for s in mini_batch
         ]
         with self._routing(self.actor.model, [s.tokens for s in sequences],
-                           _replayed_routes(mini_batch), record_routes) as recording:
+                           _replayed_routes(mini_batch), record_routes,
+                           self.spec.max_tokens_per_micro_batch) as recording:
             result = train_step(
                 self.actor, sequences, self.spec.loss,
                 max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,

@@ -46,6 +46,8 @@ class EngineSpec:
     sglang_args: tuple[str, ...] = field(default_factory=tuple)
     api_key: str | None = field(default=None, repr=False)
     """Key the server requires on every endpoint (``rollout.api_key``); never printed."""
+    trust_remote_code: bool = False
+    """Let the engine load custom code shipped with the model (``model.trust_remote_code``)."""
 
 
 def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> list[str]:
@@ -54,6 +56,8 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
         extra = ["--dtype", spec.dtype]
         if spec.max_running_requests:
             extra += ["--max-running-requests", str(spec.max_running_requests)]
+        if spec.trust_remote_code:
+            extra.append("--trust-remote-code")
         seed = None if spec.seed is None else spec.seed + rank
         return build_local_command(spec.model_path, host=spec.host, port=port,
                                    device="cuda" if device == "cuda" else "cpu",
@@ -66,7 +70,8 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
         enable_return_routed_experts=spec.return_routed_experts,
         enable_deterministic_inference=spec.seed is not None, random_seed=spec.seed,
         dtype=None if spec.dtype == "auto" else spec.dtype,
-        max_running_requests=spec.max_running_requests)
+        max_running_requests=spec.max_running_requests,
+        trust_remote_code=spec.trust_remote_code)
     argv = build_sglang_command(launch) + list(spec.sglang_args)
     return argv + ["--api-key", spec.api_key] if spec.api_key else argv
 

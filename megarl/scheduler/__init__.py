@@ -7,7 +7,8 @@
   partial rollouts resume under new weights.
 
 The step itself lives in :class:`~megarl.trainer.Trainer` (``train_on``, ``rollout``); the
-schedulers only arrange it.
+schedulers only arrange it, and see the trainer through :class:`~megarl.scheduler.driver.StepDriver`
+(they do not import the trainer module).
 """
 
 from megarl.scheduler.base import ColocateSync, Scheduler, build_scheduler

@@ -21,7 +21,7 @@ from megarl.config.schema import SchedulerConfig
 
 if TYPE_CHECKING:
     from megarl.scheduler.background import BusyClock
-    from megarl.trainer import Trainer
+    from megarl.scheduler.driver import StepDriver
 
 
 class Scheduler(abc.ABC):
@@ -29,7 +29,7 @@ class Scheduler(abc.ABC):
 
     mode: str = ""
 
-    def __init__(self, trainer: Trainer) -> None:
+    def __init__(self, trainer: StepDriver) -> None:
         self.trainer = trainer
 
     @abc.abstractmethod
@@ -81,7 +81,7 @@ class IdleWindow:
                 f"{mode}/rollouter/idle_ratio": max(0.0, 1.0 - busy / wall)}
 
 
-def default_client_factory(trainer: Trainer) -> Callable[[], Any]:
+def default_client_factory(trainer: StepDriver) -> Callable[[], Any]:
     """A new rollout client to the trainer's engines, for a scheduler's own event loop."""
     from megarl.rollout.sglang import SGLangClient
 
@@ -94,7 +94,7 @@ def default_client_factory(trainer: Trainer) -> Callable[[], Any]:
     return make
 
 
-def build_scheduler(trainer: Trainer, cfg: SchedulerConfig,
+def build_scheduler(trainer: StepDriver, cfg: SchedulerConfig,
                     make_client: Callable[[], Any] | None = None) -> Scheduler:
     """The scheduler of ``cfg.mode`` on a set-up trainer; ``make_client`` builds the rollout
     client of the overlapping schedulers (default: one like the trainer's)."""

@@ -19,7 +19,7 @@ from megarl.batch import StepBatch
 from megarl.metrics.timing import timer
 
 if TYPE_CHECKING:
-    from megarl.trainer import Trainer
+    from megarl.scheduler.driver import StepDriver
 
 
 def zero_variance(scores: torch.Tensor) -> bool:
@@ -27,7 +27,7 @@ def zero_variance(scores: torch.Tensor) -> bool:
     return bool((scores.max() - scores.min()).abs() <= 1e-8)
 
 
-def fill_with_varied_groups(trainer: Trainer, batch: StepBatch,
+def fill_with_varied_groups(trainer: StepDriver, batch: StepBatch,
                             generate_more: Callable[[], StepBatch],
                             metrics: dict[str, float]) -> StepBatch:
     """``batch`` (generated, not scored) with its zero-variance groups replaced by groups of

@@ -45,7 +45,7 @@ from megarl.scheduler.rollouter import PromptJob, Rollouter, StalenessBudget
 from megarl.scheduler.staleness import staleness, staleness_metrics, within_bound
 
 if TYPE_CHECKING:
-    from megarl.trainer import Trainer
+    from megarl.scheduler.driver import StepDriver
 
 
 def queue_capacity(cfg: SchedulerConfig, groups_per_step: int, n: int) -> int:
@@ -61,7 +61,7 @@ class FullyAsync(Scheduler):
 
     mode = "fully_async"
 
-    def __init__(self, trainer: Trainer, cfg: SchedulerConfig,
+    def __init__(self, trainer: StepDriver, cfg: SchedulerConfig,
                  make_client: Callable[[], Any]) -> None:
         super().__init__(trainer)
         self.cfg = cfg

@@ -32,7 +32,7 @@ from megarl.scheduler.dynamic_sampling import fill_with_varied_groups
 from megarl.scheduler.staleness import staleness, staleness_metrics
 
 if TYPE_CHECKING:
-    from megarl.trainer import Trainer
+    from megarl.scheduler.driver import StepDriver
 
 
 class OneStepOff(Scheduler):
@@ -40,7 +40,7 @@ class OneStepOff(Scheduler):
 
     mode = "one_step_off"
 
-    def __init__(self, trainer: Trainer, make_client: Callable[[], Any]) -> None:
+    def __init__(self, trainer: StepDriver, make_client: Callable[[], Any]) -> None:
         super().__init__(trainer)
         self.clock = BusyClock()
         self.timeout_s = trainer.cfg.trainer.phase_timeout_s

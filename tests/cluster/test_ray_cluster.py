@@ -101,7 +101,8 @@ def groups(pools, tmp_path_factory):
                            env={"MEGARL_TEST_ENV": "on"}, call_timeout_s=60)
     TIMINGS["train_group_2_workers_s"] = time.monotonic() - start
     start = time.monotonic()
-    rollout = RayWorkerGroup(EchoWorker, rollout_pool, "rollout", log_dir=log_dir,
+    # by path: imported in the worker only (how the trainer starts the megatron workers)
+    rollout = RayWorkerGroup("cluster_workers:EchoWorker", rollout_pool, "rollout", log_dir=log_dir,
                              kwargs={"tag": "r"}, call_timeout_s=60)
     TIMINGS["rollout_group_1_worker_s"] = time.monotonic() - start
     yield train, rollout

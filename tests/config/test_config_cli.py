@@ -13,6 +13,7 @@ from megarl.config import load_config, load_config_dict, validate_config
 from megarl.config.cli import show_main, validate_main
 from megarl.config.docs import fields_table
 from megarl.config.loader import schema_fields
+from megarl.config.not_built import NOT_BUILT
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
@@ -106,6 +107,28 @@ def test_unloadable_config_exits_2_with_lines(capsys):
     assert capsys.readouterr().out == ("actor.ppo_epoch: unknown key (in override) — did you "
                                        "mean actor.ppo_epochs?\n")
     assert show_main(["/nonexistent.yaml"]) == 2
+
+
+# Overrides that make each NOT_BUILT entry apply; a new entry needs one here.
+NOT_BUILT_TRIGGERS: dict[str, tuple[str, ...]] = {
+    "checkpoint_engine.backend": ("checkpoint_engine.backend=disk",),
+    "algorithm.filter_groups.metric": ("algorithm.filter_groups.metric=acc",),
+    "algorithm.rollout_correction.bypass_mode": ("algorithm.rollout_correction.bypass_mode=true",
+                                                 "algorithm.rollout_correction.rollout_is=token"),
+    "algorithm.kl_penalty": ("algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=full"),
+    "actor.router_replay.mode": ("actor.router_replay.mode=R2",
+                                 "algorithm.rollout_correction.bypass_mode=true"),
+}
+
+
+@pytest.mark.parametrize("entry", NOT_BUILT, ids=[entry[0] for entry in NOT_BUILT])
+def test_validate_reports_what_is_not_built(entry, run_files, capsys):
+    """`megarl config validate` refuses what `megarl train` cannot run, with the field and fix."""
+    field, _, fix = entry
+    assert field in NOT_BUILT_TRIGGERS, f"add overrides that make {field}'s entry apply"
+    assert validate_main([str(TINY), *run_files, *NOT_BUILT_TRIGGERS[field]]) == 2
+    out = capsys.readouterr().out.splitlines()
+    assert f"{field}: not built in this version of megarl — {fix}" in out
 
 
 def test_usage_error_is_exit_2(capsys):

@@ -5,8 +5,8 @@ FIELDS holds one row per dotted field name; each row's check is run against a sm
 - spec: changing the value changes a built object (the actor/critic/engine spec, the engine's
   argv, the sampling params, the derived sizes, the memory estimate, the KL controller, the
   fully_async queue capacity, the checkpoint steps);
-- refused: validation (or `megarl train`'s NOT_BUILT list, before anything starts) reports an
-  error naming the field for some value;
+- refused: validation (which includes config/not_built.py's list of machinery not built yet)
+  reports an error naming the field for some value;
 - derived: a documented input of `megarl config show`'s sizes or estimates only;
 - read: run-time code reads the field (the names appear in its bytecode, docstrings excluded);
   weaker than spec, used where the consumer needs a running trainer (data files, trackers, Ray).
@@ -153,19 +153,6 @@ def refused(value: Any, *extra: str) -> Row:
     return Row("refused", check)
 
 
-def refused_at_start(value: Any, *extra: str) -> Row:
-    """``megarl train`` refuses ``value`` before starting anything (the trainer's NOT_BUILT
-    list: machinery not built yet), naming the field."""
-    def check(run: Run, field: str) -> None:
-        def refusals(*overrides: str) -> list[str]:
-            cfg, _ = run.config(*overrides)
-            return [name for name, applies, _ in trainer_module.NOT_BUILT
-                    if name == field and applies(cfg)]
-        assert not refusals(*extra), f"megarl train already refuses the base's {field}"
-        assert refusals(*extra, f"{field}={value}"), f"megarl train accepts {field}={value}"
-    return Row("refused", check)
-
-
 def code_names(consumer: Any) -> set[str]:
     """Names and attributes the code of a function or module uses (docstrings excluded)."""
     if inspect.ismodule(consumer):
@@ -228,6 +215,7 @@ FIELDS: dict[str, Row] = {
     "model.tokenizer_path": refused("/nonexistent/tokenizer"),
     "model.dtype": spec("float32", "actor.dtype"),
     "model.mcore_checkpoint": spec("/ckpt", "actor.init_checkpoint"),
+    "model.trust_remote_code": spec("true", "argv"),
     # data
     "data.train_files": reads(Trainer.setup),
     "data.val_files": reads(Trainer.setup),
@@ -278,9 +266,15 @@ FIELDS: dict[str, Row] = {
     "actor.router_replay.diagnose_no_replay": reads(Trainer.compute_old_log_probs),
     "actor.cuda_graphs": spec("true", "actor.cuda_graphs"),
     "actor.cuda_graph_bucket_tokens": spec(512, "actor.cuda_graph_bucket_tokens"),
+    "actor.log_prob_micro_batch_size_per_gpu": spec(
+        4, "actor.log_prob_max_tokens_per_micro_batch"),
     # ref
     "ref.enabled": spec("true", "actor.with_ref"),
     "ref.offload.param_offload": spec("true", "actor.ref_param_offload"),
+    "ref.log_prob_micro_batch_size_per_gpu": spec(4, "actor.ref_max_tokens_per_micro_batch"),
+    **{f"ref.parallel.{name}": refused(value) for name, value in (
+        ("tp", 2), ("pp", 2), ("vpp", 2), ("ep", 2), ("etp", 2), ("cp", 2),
+        ("sequence_parallel", "false"))},
     # critic (on with gae)
     "critic.enabled": reads(trainer_setup),
     "critic.model_path": spec("/critic", "critic.model_path", GAE),
@@ -291,9 +285,9 @@ FIELDS: dict[str, Row] = {
     "critic.cliprange_value": spec(0.2, "critic.loss.cliprange_value", GAE),
     "critic.grad_clip": spec(0.5, "critic.optim.grad_clip", GAE),
     **parallel_rows("critic", GAE),
-    "critic.offload.param_offload": refused("true", GAE),
-    "critic.offload.grad_offload": refused("true", GAE),
-    "critic.offload.optimizer_offload": refused("true", GAE),
+    "critic.offload.param_offload": spec("true", "critic.offload.param_offload", GAE),
+    "critic.offload.grad_offload": spec("true", "critic.offload.grad_offload", GAE),
+    "critic.offload.optimizer_offload": spec("true", "critic.offload.optimizer_offload", GAE),
     # rollout
     "rollout.backend": spec("local", "argv"),
     "rollout.n": spec(2, "sampling.n"),
@@ -317,7 +311,7 @@ FIELDS: dict[str, Row] = {
     "algorithm.gamma": reads(Trainer.compute_advantages, "algorithm", "gamma"),
     "algorithm.lam": reads(Trainer.compute_advantages, "algorithm", "lam"),
     "algorithm.use_kl_in_reward": spec("true", "kl_ctrl"),
-    "algorithm.kl_penalty": refused_at_start("full", KL_IN_REWARD),
+    "algorithm.kl_penalty": refused("full", KL_IN_REWARD),
     "algorithm.kl_ctrl.type": spec("adaptive", "kl_ctrl", KL_IN_REWARD),
     "algorithm.kl_ctrl.kl_coef": spec(0.01, "kl_ctrl", KL_IN_REWARD),
     "algorithm.kl_ctrl.horizon": spec(100, "kl_ctrl", KL_IN_REWARD,
@@ -326,6 +320,7 @@ FIELDS: dict[str, Row] = {
                                         "algorithm.kl_ctrl.type=adaptive"),
     "algorithm.filter_groups.enable": reads(fully_async),
     "algorithm.filter_groups.max_num_gen_batches": reads(dynamic_sampling),
+    "algorithm.filter_groups.metric": refused("acc"),
     "algorithm.rollout_correction.rollout_is": reads(trainer_module),
     "algorithm.rollout_correction.rollout_is_threshold": reads(trainer_module,
                                                                 "rollout_correction"),
@@ -378,25 +373,9 @@ FIELDS: dict[str, Row] = {
     "ray.timeline_file": reads(trainer_module),
 }
 
-# Accepted and ignored: neither reaches a build nor is refused (issue 20's debts). This set may
-# only shrink; each entry says what is missing.
-_REF_LAYOUT = ("the reference is built inside the actor's workers with the actor's layout; "
-               "ref.parallel only feeds `config show`'s sizes and memory estimate")
-KNOWN_IGNORED: dict[str, str] = {
-    "algorithm.filter_groups.metric": (
-        "dynamic sampling drops groups whose scores have zero variance whatever the metric; "
-        "nothing reads the metric (validation only warns when filter_groups is off)"),
-    "model.trust_remote_code": (
-        "reaches neither the engine argv (SGLangLaunchConfig.trust_remote_code is never set "
-        "by engine_command) nor the actor build (load_hf_config's default False)"),
-    "actor.log_prob_micro_batch_size_per_gpu": (
-        "the old-log-prob forward packs by actor_spec.max_tokens_per_micro_batch; the value "
-        "only appears in memory.py's out-of-memory hints"),
-    "ref.log_prob_micro_batch_size_per_gpu": (
-        "the reference forward packs like the actor's; only memory.py's hints name it"),
-    **{f"ref.parallel.{name}": _REF_LAYOUT
-       for name in ("tp", "pp", "vpp", "ep", "etp", "cp", "sequence_parallel")},
-}
+# Accepted and ignored: neither reaches a build nor is refused (issue 20's debts, all paid). This
+# set may only shrink.
+KNOWN_IGNORED: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -424,14 +403,22 @@ def test_every_field_has_a_row() -> None:
 
 def test_known_ignored_only_shrinks() -> None:
     """Paying a debt removes its entry; nothing new may be accepted and ignored."""
-    assert set(KNOWN_IGNORED) == {
-        "algorithm.filter_groups.metric", "model.trust_remote_code", "actor.log_prob_micro_batch_size_per_gpu",
-        "ref.log_prob_micro_batch_size_per_gpu", "ref.parallel.tp", "ref.parallel.pp",
-        "ref.parallel.vpp", "ref.parallel.ep", "ref.parallel.etp", "ref.parallel.cp",
-        "ref.parallel.sequence_parallel",
-    }
+    assert set(KNOWN_IGNORED) == set()
 
 
 @pytest.mark.parametrize("field", sorted(FIELDS))
 def test_field_acts(run: Run, field: str) -> None:
     FIELDS[field].check(run, field)
+
+
+def test_trust_remote_code_reaches_every_loader(run: Run) -> None:
+    """Actor, critic, both engine backends (their argv parses) and the prompt tokenizer."""
+    from megarl.rollout.local.server import build_parser
+
+    sglang = run.built("model.trust_remote_code=true", GAE)
+    assert sglang["actor"].trust_remote_code and sglang["critic"].trust_remote_code
+    assert "--trust-remote-code" in sglang["argv"]
+    local = run.built("model.trust_remote_code=true", "rollout.backend=local")["argv"]
+    args = build_parser().parse_args(local[local.index("--model"):])
+    assert args.trust_remote_code
+    assert "trust_remote_code" in code_names(Trainer.setup)

@@ -109,11 +109,14 @@ def trainer_gae_step(cfg: Any, scores: list[float], gamma: float, lam: float) ->
     init_naive()
     critic = start_critic(cfg)
     batch = make_batch(scores)
+    offloaded = [critic.group.execute_all("offloaded_parts")[0]]
     values = compute_values(critic, batch)
+    offloaded.append(critic.group.execute_all("offloaded_parts")[0])
     advantages, goals = gae_advantages_of(batch, values, gamma=gamma, lam=lam)
     first = update_critic(critic, batch, goals, cfg)
     second = update_critic(critic, batch, goals, cfg)
+    offloaded.append(critic.group.execute_all("offloaded_parts")[0])
     return {"values": values, "advantages": advantages, "returns": goals.returns,
-            "first": first, "second": second,
+            "first": first, "second": second, "offloaded": offloaded,
             "data": critic_data_metrics(goals, batch.response_mask()),
             "dp_size": critic.dp_size}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -143,7 +144,8 @@ def naive_gae(scores: list[float], values: list[list[float]], gamma: float,
     return whitened, returns
 
 
-def test_trainer_gae_on_the_critic_values(one_rank, pool2, dense_dir):
+def gae_config(dense_dir: str, *overrides: str) -> Any:
+    """The demo config with a GAE critic on the dense tiny model."""
     from megarl.config import load_config
 
     cfg, _ = load_config(str(DEMO_CONFIG), [
@@ -152,7 +154,12 @@ def test_trainer_gae_on_the_critic_values(one_rank, pool2, dense_dir):
         "actor.ppo_mini_batch_size=3", "actor.loss_agg_mode=token-mean", "actor.parallel.tp=1",
         "actor.parallel.pp=1", "actor.parallel.ep=1", "critic.optim.lr=1e-3",
         "critic.optim.weight_decay=0.0", f"critic.cliprange_value={CLIP}",
-        "trainer.seed=7", "trainer.total_steps=2"])
+        "trainer.seed=7", "trainer.total_steps=2", *overrides])
+    return cfg
+
+
+def test_trainer_gae_on_the_critic_values(one_rank, pool2, dense_dir):
+    cfg = gae_config(dense_dir)
     assert cfg.critic.enabled
     scores = [1.0, 0.0, 0.5, 1.0, 0.0, -1.0]
     results = pool2.run(trainer_gae_step, cfg, scores, 0.9, 0.8)
@@ -172,3 +179,17 @@ def test_trainer_gae_on_the_critic_values(one_rank, pool2, dense_dir):
         assert got["second"]["critic/vf_loss"] < got["first"]["critic/vf_loss"]
         assert got["data"]["critic/returns/mean"] == pytest.approx(
             sum(map(sum, want_ret)) / sum(map(len, want_ret)), rel=1e-4)
+
+
+def test_critic_offload_keeps_the_state_on_the_host_between_phases(pool2, dense_dir):
+    """critic.offload: param, grad and optimizer state in host memory after every phase; the
+    values and updates are exactly those without offload."""
+    scores = [1.0, 0.0, 0.5, 1.0, 0.0, -1.0]
+    plain = pool2.run(trainer_gae_step, gae_config(dense_dir), scores, 0.9, 0.8)[0]
+    offload = [f"critic.offload.{part}_offload=true" for part in ("param", "grad", "optimizer")]
+    offloaded = pool2.run(trainer_gae_step, gae_config(dense_dir, *offload), scores, 0.9, 0.8)[0]
+    assert plain["offloaded"] == [[], [], []]
+    assert offloaded["offloaded"] == [["grad", "optimizer", "param"]] * 3
+    assert offloaded["values"] == plain["values"]
+    for step in ("first", "second"):
+        assert offloaded[step]["critic/vf_loss"] == plain[step]["critic/vf_loss"]

@@ -61,3 +61,26 @@ def r2_update(model_dir: str, sizes: ParallelSizes, shares: list[list[int]],
     metrics, used = worker.update_recording_routes([batch[:half], batch[half:]])
     return {"rank": dist.get_rank(), "indices": mine, "old": old["routes"],
             "used": used[0] + used[1], "metrics": metrics}
+
+
+def log_prob_budgets(model_dir: str, sizes: ParallelSizes,
+                     sequences: list[list[int]]) -> dict[str, Any]:
+    """The old-log-prob forward with the training budget, then with its own
+    (``log_prob_max_tokens_per_micro_batch``); the budgets the forwards were given."""
+    from megarl.megatron import worker as worker_module
+
+    worker = make_worker(model_dir, sizes)
+    real, budgets = worker_module.compute_log_probs, []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        budgets.append(kwargs["max_tokens_per_micro_batch"])
+        return real(*args, **kwargs)
+
+    worker_module.compute_log_probs = spy
+    try:
+        default = worker.compute_log_probs(sequences)["log_probs"]
+        worker.spec = dataclasses.replace(worker.spec, log_prob_max_tokens_per_micro_batch=40)
+        own = worker.compute_log_probs(sequences)["log_probs"]
+    finally:
+        worker_module.compute_log_probs = real
+    return {"budgets": budgets, "default": default, "own": own}

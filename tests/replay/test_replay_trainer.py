@@ -80,9 +80,11 @@ def test_r3_steps_route_like_the_engine(assets, tmp_path, record_property):
 @pytest.mark.parametrize("setting, message", [
     (["algorithm.rollout_correction.bypass_mode=true",
       "algorithm.rollout_correction.rollout_is=token"],
-     "algorithm.rollout_correction.bypass_mode: bypass_mode makes the rollout log-probs"),
+     ("algorithm.rollout_correction.bypass_mode: not built in this version of megarl — "
+      "bypass_mode makes the rollout log-probs")),
     (["algorithm.rollout_correction.bypass_mode=true", "actor.router_replay.mode=R2"],
-     "actor.router_replay.mode: R2 records routes in the old-log-prob forward"),
+     ("actor.router_replay.mode: not built in this version of megarl — R2 records routes in "
+      "the old-log-prob forward")),
 ])
 def test_combinations_that_are_not_built_are_refused(assets, tmp_path, setting, message):
     lines: list[str] = []

@@ -145,7 +145,7 @@ def test_the_adaptive_coefficient_survives_a_checkpoint(tmp_path) -> None:
 
 
 def test_only_the_full_distribution_estimator_is_refused() -> None:
-    from megarl.trainer import NOT_BUILT
+    from megarl.config.not_built import NOT_BUILT
 
     def refused(*overrides: str) -> list[str]:
         cfg, _ = load_config_dict(BASE, list(overrides))

@@ -145,16 +145,17 @@ class ModelRunner:
 
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto",
                  context_length: int | None = None, backend: Backend = "auto",
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, trust_remote_code: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
         self.model_path = str(model_path)
         self.device = torch.device(device)
-        config = AutoConfig.from_pretrained(self.model_path)
+        config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         self.dtype = _resolve_dtype(dtype, config, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=self.dtype, trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
         self.config = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])

@@ -139,7 +139,7 @@ class ApiKeyGuard:
         await self.app(scope, receive, send)
 
 
-def load_tokenizer(model_path: str) -> Any:
+def load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
     """The model directory's tokenizer, or None when it has none (token ids only)."""
     path = Path(model_path)
     if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
@@ -148,7 +148,7 @@ def load_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(model_path)
+        return AutoTokenizer.from_pretrained(model_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
         logger.warning("no usable tokenizer in %s (%s); serving token ids only", model_path, err)
         return None
@@ -398,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds /health waits for its one-token generation (SGLang: "
                         "SGLANG_HEALTH_CHECK_TIMEOUT, 20) before answering 503")
     p.add_argument("--log-level", default="warning")
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help="allow custom modelling and tokenizer code shipped with the model")
     return p
 
 
@@ -406,12 +408,14 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
-                         context_length=args.context_length)
+                         context_length=args.context_length,
+                         trust_remote_code=args.trust_remote_code)
     engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
                          max_prefill_tokens=args.max_prefill_tokens,
                          weight_version=args.weight_version, seed=args.random_seed,
                          deterministic=args.enable_deterministic_inference)
-    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model)
+    tokenizer = None if args.skip_tokenizer_init else load_tokenizer(
+        args.model, trust_remote_code=args.trust_remote_code)
     limits = Limits(runner.vocab_size, runner.context_length, runner.router.num_layers > 0)
     receiver = WeightReceiver(engine)
     state = ServerState(engine, receiver, tokenizer, limits, args.model,
