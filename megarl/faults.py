@@ -8,6 +8,13 @@ block: ``gen``, ``reward``, ``old_log_prob``, ``update_actor``, ``sync_weights``
 ``save``; the step is the one the trainer announced with :func:`set_step`. Unset, nothing
 happens.
 
+``MEGARL_FAIL_AT=POINT`` raises :class:`InjectedFault` where the driver reaches ``POINT`` of
+:func:`megarl.trainer_setup.build_workers` (``start_actor``, ``start_rollout``,
+``start_critic``): a start-up that fails after some workers exist.
+
+``MEGARL_CKPT_WRITE_DELAY_S=SECONDS`` makes each rank's background checkpoint writer wait that
+long before writing its files: a slow file system, so a test can act while a write is under way.
+
 ``MEGARL_OOM_AT=PHASE[:RANK]`` raises ``torch.OutOfMemoryError`` when a process (the one whose
 ``RANK`` environment variable is ``RANK``, or any) enters ``PHASE`` of
 :func:`megarl.memory.phase_memory`: the out-of-memory path without filling a GPU.
@@ -21,6 +28,8 @@ import threading
 
 ENV = "MEGARL_CRASH_AT"
 OOM_ENV = "MEGARL_OOM_AT"
+FAIL_ENV = "MEGARL_FAIL_AT"
+WRITE_DELAY_ENV = "MEGARL_CKPT_WRITE_DELAY_S"
 _step = 0
 
 
@@ -60,6 +69,22 @@ def crash_point(point: str, step: int | None = None) -> None:
     timer = threading.Timer(delay, _kill_self)
     timer.daemon = True
     timer.start()
+
+
+class InjectedFault(RuntimeError):
+    """The error :func:`fail_point` raises."""
+
+
+def fail_point(point: str) -> None:
+    """Raise :class:`InjectedFault` if ``MEGARL_FAIL_AT`` names ``point``."""
+    if os.environ.get(FAIL_ENV) == point:
+        raise InjectedFault(f"{FAIL_ENV}={point}: injected failure")
+
+
+def checkpoint_write_delay() -> float:
+    """Seconds a background checkpoint writer waits before writing (``MEGARL_CKPT_WRITE_DELAY_S``,
+    default 0)."""
+    return float(os.environ.get(WRITE_DELAY_ENV) or 0.0)
 
 
 def oom_point(phase: str) -> None:

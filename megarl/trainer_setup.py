@@ -11,6 +11,7 @@ serves SGLang servers and megarl's embedded engines.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any
 from megarl.config import RunConfig
 from megarl.config.derived import derive_sizes, weight_sync_backend
 from megarl.config.model_info import ModelInfoError, load_model_info
+from megarl.faults import fail_point
 from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.settings import (
@@ -38,6 +40,7 @@ from megarl.weights.sglang_sender import BucketSpec, plan_buckets
 
 ACTOR_WORKER = "megarl.megatron.worker:ActorWorker"
 """Imported by the Ray workers only: the driver does not import megatron-core."""
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -249,31 +252,64 @@ def _broadcast_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], i
 
 
 def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
-    """Start Ray, the pools, the actor and rollout workers, and the weight-update group (or,
-    with ``trainer.worker_group=naive``, the same parts inside the torchrun world)."""
+    """Start Ray, check that every node can read the run's inputs, then the pools, the actor and
+    rollout workers, and the weight-update group (or, with ``trainer.worker_group=naive``, the
+    same parts inside the torchrun world). When a part fails, what was started before it is
+    stopped (its actors killed, the pools' placement groups removed) and the error re-raised."""
     if cfg.trainer.worker_group == "naive":
         return build_naive_workers(cfg, output_dir)
-    from megarl.cluster import RayWorkerGroup, create_pools, init_ray, resolve_device
+    from megarl.cluster import init_ray
 
     runtime = init_ray(cfg.ray.address, cfg.ray.num_cpus)
+    started: list[Any] = []  # groups and pools, in the order they were created
+    try:
+        check_inputs_on_nodes(cfg)
+        return _build_ray_workers(cfg, output_dir, runtime.started_here, started)
+    except BaseException:
+        _stop_started(started)
+        raise
+
+
+def check_inputs_on_nodes(cfg: RunConfig) -> int:
+    """Every alive Ray node reads the data files and the model directory (PITFALLS S3); raises
+    NodePathError with one line per node and path it cannot read. Returns the nodes checked."""
+    from megarl.cluster.preflight import run_input_checks
+
+    files = {"data.train_files": cfg.data.train_files}
+    if cfg.trainer.val_every and cfg.data.val_files:
+        files["data.val_files"] = cfg.data.val_files
+    return run_input_checks(files, {"model.path": cfg.model.path})
+
+
+def _build_ray_workers(cfg: RunConfig, output_dir: Path, started_ray: bool,
+                       started: list[Any]) -> Workers:
+    """The Ray part of :func:`build_workers`; appends each group and pool it creates to
+    ``started`` as soon as it exists."""
+    from megarl.cluster import RayWorkerGroup, create_pools, resolve_device
+
     device = resolve_device(cfg.resources.device)
     colocate = cfg.rollout.colocate
     # groups sharing a train-pool slot: the actor, the critic, colocated engines
     groups = 1 + int(bool(cfg.critic.enabled)) + int(colocate)
     pools = create_pools(cfg.resources, colocate=colocate, max_colocate_count=groups)
+    started.append(pools)
     log_dir = output_dir / "logs"
     env = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"} if device == "cpu" else {}
     timeout = cfg.trainer.phase_timeout_s
 
     def start_actor() -> RayWorkerGroup:
-        return RayWorkerGroup(ACTOR_WORKER, pools["train_pool"], "actor", log_dir=log_dir,
-                              args=(actor_spec(cfg),), env=env, echo_logs=False,
-                              call_timeout_s=timeout)
+        fail_point("start_actor")
+        started.append(RayWorkerGroup(ACTOR_WORKER, pools["train_pool"], "actor",
+                                      log_dir=log_dir, args=(actor_spec(cfg),), env=env,
+                                      echo_logs=False, call_timeout_s=timeout))
+        return started[-1]
 
     def start_rollout() -> RayWorkerGroup:
-        return RayWorkerGroup(RolloutServerWorker, pools["rollout_pool"], "rollout",
-                              log_dir=log_dir, args=(engine_spec(cfg, log_dir),), env=env,
-                              echo_logs=False, call_timeout_s=timeout)
+        fail_point("start_rollout")
+        started.append(RayWorkerGroup(RolloutServerWorker, pools["rollout_pool"], "rollout",
+                                      log_dir=log_dir, args=(engine_spec(cfg, log_dir),),
+                                      env=env, echo_logs=False, call_timeout_s=timeout))
+        return started[-1]
 
     if colocate:  # the actor takes its memory first; the engines fit in what is left
         actor = start_actor()
@@ -283,14 +319,34 @@ def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
         # Megatron ranks build (wait_ready below waits for them).
         rollout = start_rollout()
         actor = start_actor()
-    critic = (start_critic(cfg, pool=pools["train_pool"], log_dir=log_dir, env=env)
-              if cfg.critic.enabled else None)
+    critic = None
+    if cfg.critic.enabled:
+        fail_point("start_critic")
+        critic = start_critic(cfg, pool=pools["train_pool"], log_dir=log_dir, env=env)
+        started.append(critic.group)
     urls = [u for u in rollout.execute_all("wait_ready") if u]
     workers = _assemble(cfg, actor, rollout, urls, True, device, rollout.world_size,
-                        runtime.started_here)
+                        started_ray)
     workers.critic = critic
     workers.pools = pools
     return workers
+
+
+def _stop_started(started: list[Any]) -> None:
+    """Undo a failed :func:`build_workers`: stop the engines of a rollout group, kill every
+    group's actors, then remove the pools (newest first; each step best effort)."""
+    for part in reversed(started):
+        try:
+            if isinstance(part, dict):
+                _remove_pools(part)
+                continue
+            if part.role == "rollout":
+                part.execute_all("stop")
+        except Exception as err:  # noqa: BLE001 - the original error is the one to report
+            logger.warning("cleaning up after a failed start: %s", err)
+        finally:
+            if not isinstance(part, dict):
+                part.shutdown()
 
 
 def _remove_pools(pools: dict[str, Any]) -> None:

@@ -182,19 +182,25 @@ def test_fully_async_never_trains_on_groups_older_than_the_bound(trainers):
     assert any(s["loader"] != live for s, live in states), "the rollout never ran ahead"
 
 
-def test_dynamic_sampling_trains_only_on_groups_with_reward_variance(trainers):
+@pytest.mark.parametrize("mode", ["fully_async", "colocate_sync", "one_step_off"])
+def test_dynamic_sampling_trains_only_on_groups_with_reward_variance(trainers, mode):
+    """Real engine and reward: every scheduler trains full batches of groups with spread."""
     a, _ = trainers
     filtering = a.cfg.algorithm.filter_groups
     seen = observe_batches(a)
     filtering.enable = True
+    sched = (SchedulerConfig(mode=mode, staleness_threshold=1, trigger_parameter_sync_step=1)
+             if mode == "fully_async" else SchedulerConfig(mode=mode))
     try:
-        history = run_steps(a, SchedulerConfig(mode="fully_async", staleness_threshold=1,
-                                               trigger_parameter_sync_step=1), 2)
+        history = run_steps(a, sched, 2)
     finally:
         filtering.enable = False
         del a.train_on
     assert len(seen) == 2
     for (_, batch), metrics in zip(seen, history):
+        assert len(batch.prompts) == a.cfg.data.train_batch_size
+        if mode != "fully_async":
+            assert metrics["train/num_gen_batches"] >= 1
         scores = batch.scores.view(-1, 4)
         assert torch.all(scores.max(dim=1).values > scores.min(dim=1).values), scores
         assert metrics["critic/score/mean"] == pytest.approx(float(batch.scores.mean()))
