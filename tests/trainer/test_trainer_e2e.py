@@ -138,9 +138,10 @@ def test_settings_the_trainer_does_not_run_yet_are_refused(assets, tmp_path, cap
     base = [f"model.path={assets / 'model'}", f"data.train_files=[{assets / 'data/train.parquet'}]",
             f"data.val_files=[{assets / 'data/val.parquet'}]", f"trainer.output_dir={tmp_path}"]
     assert train_main(["--config", str(DEMO_CONFIG), *base,
-                       "algorithm.adv_estimator=reinforce_plus_plus"]) == 2
-    assert ("algorithm.adv_estimator: not built in this version of megarl — the token-level-"
-            "reward estimator") in capsys.readouterr().err
+                       "algorithm.filter_groups.enable=true",
+                       "algorithm.filter_groups.metric=acc"]) == 2
+    assert ("algorithm.filter_groups.metric: not built in this version of megarl — dynamic "
+            "sampling filters on the reward score") in capsys.readouterr().err
     assert train_main(["--config", str(DEMO_CONFIG), *base, "checkpoint_engine.backend=disk"]) == 2
     assert ("checkpoint_engine.backend: not built in this version of megarl — the trainer "
             "streams weights") in capsys.readouterr().err
