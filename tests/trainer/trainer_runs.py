@@ -118,15 +118,17 @@ def run_metrics(out: Path) -> dict[int, dict[str, float]]:
 def assert_same_metrics(got: dict[int, dict[str, float]],
                         expected: dict[int, dict[str, float]], engine_gap_abs: float = 1e-6) -> int:
     """Both runs logged the same steps with the same metrics (names and values: rel 1e-6, and
-    absolute 1e-9, or ``engine_gap_abs`` for the engine gaps); returns how many values were
-    compared."""
+    absolute 1e-9; the engine gaps, functions of the engine's log-probs, to ``engine_gap_abs``
+    absolute or relative: a perplexity is exp of a mean log-prob, so a log-prob gap of e moves it by
+    a factor of about 1 + e); returns how many values were compared."""
     assert sorted(got) == sorted(expected)
     compared = 0
     for step, metrics in expected.items():
         assert set(got[step]) == set(metrics), (step, set(got[step]) ^ set(metrics))
         for name, value in metrics.items():
-            tolerance = engine_gap_abs if name.startswith(ENGINE_GAPS) else 1e-9
-            assert got[step][name] == pytest.approx(value, rel=1e-6, abs=tolerance), \
+            engine = name.startswith(ENGINE_GAPS)
+            rel, tolerance = (max(1e-6, engine_gap_abs), engine_gap_abs) if engine else (1e-6, 1e-9)
+            assert got[step][name] == pytest.approx(value, rel=rel, abs=tolerance), \
                 (step, name, got[step][name], value)
             compared += 1
     return compared
