@@ -45,8 +45,12 @@ def run(assets: Path, out: Path, crash: str | None = None) -> int:
                  total_steps=STEPS)
 
 
-# bf16 engine vs trainer gaps moved by up to 3e-5 between two identical runs on the H200
-ENGINE_GAP_ABS = 1e-4
+# The engine's bf16 log-probs are not batch-invariant: how requests happen to be batched moves them
+# slightly, and with them the engine-vs-trainer gaps (rollout_corr/*, rollout_probs_diff). On the
+# H200 they moved by up to 3e-5 between two identical runs, and by 1.15e-4 (rollout_corr/kl at step
+# 2) between a resumed and an uninterrupted run. Engine weights that were wrong after a resume
+# would move them by orders of magnitude more; everything the trainer computes is compared exactly.
+ENGINE_GAP_ABS = 5e-4
 
 
 def test_resume_after_sigkill_on_gpu_equals_uninterrupted_run(assets, tmp_path):

@@ -122,13 +122,14 @@ def assert_same_metrics(got: dict[int, dict[str, float]],
     absolute or relative: a perplexity is exp of a mean log-prob, so a log-prob gap of e moves it by
     a factor of about 1 + e); returns how many values were compared."""
     assert sorted(got) == sorted(expected)
-    compared = 0
+    compared, wrong = 0, []
     for step, metrics in expected.items():
         assert set(got[step]) == set(metrics), (step, set(got[step]) ^ set(metrics))
         for name, value in metrics.items():
             engine = name.startswith(ENGINE_GAPS)
             rel, tolerance = (max(1e-6, engine_gap_abs), engine_gap_abs) if engine else (1e-6, 1e-9)
-            assert got[step][name] == pytest.approx(value, rel=rel, abs=tolerance), \
-                (step, name, got[step][name], value)
+            if got[step][name] != pytest.approx(value, rel=rel, abs=tolerance):
+                wrong.append((step, name, got[step][name], value))
             compared += 1
+    assert not wrong, f"{len(wrong)} of {compared} values differ (step, name, got, expected): {wrong}"
     return compared
