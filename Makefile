@@ -11,7 +11,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,nixl,math,tensorboard]'
+	$(PY) -m pip install -q -e '.[dev,nixl,math,tensorboard,bench]'
 	# real SGLang as the reference of tests/conformance: pure Python, its CUDA deps left out
 	$(PY) -m pip install -q --no-deps sglang==0.5.10
 	touch $(STAMP)

@@ -4,7 +4,9 @@
 - ``rollout``, ``actor``, ``scheduler``: the scripts ``benchmarks/<name>_throughput.py`` (found
   next to the ``megarl`` package in a source checkout): embedded engine vs HF ``generate``,
   native-spec Megatron actor vs HF transformers (forward+backward), and the three schedulers on
-  long-tailed response lengths.
+  long-tailed response lengths;
+- ``step``: ``benchmarks/e2e_step.py``, a whole colocated GRPO step phase by phase against the
+  floors measured in the same run, and the same step in TRL's ``GRPOTrainer``.
 """
 
 from __future__ import annotations
@@ -24,15 +26,15 @@ def _weight_sync(argv: list[str]) -> int:
     return weight_sync_main(argv)
 
 
-def _script(name: str) -> Callable[[list[str]], int]:
-    """Run ``benchmarks/<name>_throughput.py``'s ``main``."""
+def _script(name: str, file: str | None = None) -> Callable[[list[str]], int]:
+    """Run ``benchmarks/<file>.py``'s ``main`` (``<name>_throughput.py`` by default)."""
     def run(argv: list[str]) -> int:
-        script = SCRIPTS / f"{name}_throughput.py"
+        script = SCRIPTS / f"{file or name + '_throughput'}.py"
         if not script.is_file():
             print(f"megarl bench {name}: {script} is not there; the {name} benchmark ships with "
                   "the source checkout (run it from a clone of megarl)", file=sys.stderr)
             return 3
-        spec = importlib.util.spec_from_file_location(f"megarl_{name}_throughput", script)
+        spec = importlib.util.spec_from_file_location(f"megarl_bench_{script.stem}", script)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
@@ -47,6 +49,8 @@ BENCHMARKS: dict[str, tuple[str, Callable[[list[str]], int]]] = {
     "actor": ("Megatron actor (native spec) fwd+bwd vs HF transformers, MFU", _script("actor")),
     "scheduler": ("colocate_sync vs one_step_off vs fully_async on long-tailed lengths",
                   _script("scheduler")),
+    "step": ("a whole colocated GRPO step per phase against its floors, and TRL's step",
+             _script("step", "e2e_step")),
 }
 
 

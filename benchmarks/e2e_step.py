@@ -1,0 +1,586 @@
+"""A whole colocated GRPO step, phase by phase against each phase's floor measured in the same run,
+and the same step in TRL's ``GRPOTrainer`` on the same model, prompts and lengths (issue 19).
+
+Models: random weights, bf16, of two shapes: ``dense`` (Qwen3-1.7B's layer dimensions, untied
+output layer) and ``moe`` (a slice of Qwen3-30B-A3B: its real layer dimensions, 128 experts top-8,
+expert ffn 768, 151,936 vocabulary, ``--moe-layers`` layers). Prompts are random token ids of
+``--prompt-len`` lengths (the same ids in both systems: drawn from characters of the benchmark
+tokenizer, so TRL's text prompts tokenize back to them). Every sample's response length is forced:
+a long-tailed (log-normal, ``--median``, ``--sigma``, capped at ``--max-response``) draw keyed by
+the prompt's ids and the sample's index in its group; megarl asks the engine for exactly that many
+tokens with EOS ignored, TRL's ``generate`` gets a logits processor that forbids EOS before the
+length and forces it at the length. Both systems therefore generate the same tokens counts.
+
+Per phase (megarl, means over the timed steps): gen (tokens/s, fraction of the decode bandwidth
+floor: the bf16 weights plus every running row's KV cache read once per decode step at the
+measured copy bandwidth), old_log_prob and update_actor (tokens/s, MFU against the measured bf16
+matmul rate), weight sync (seconds, GB/s of bf16 weights, fraction of the measured copy rate),
+release / resume (seconds) and the whole step (seconds, tokens/s); TRL: step seconds and tokens/s,
+and the ratio megarl / TRL. A JSON file and a PNG of the breakdown go to ``--out``.
+
+    python benchmarks/e2e_step.py --shape both               # the H200 run (issue 19)
+    python benchmarks/e2e_step.py --smoke                    # tiny shapes on CPU (CI)
+    megarl bench step --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megarl.data.tiny_model import ALPHABET, SPECIAL_TOKENS, build_tokenizer  # noqa: E402
+from megarl.rollout.interface import RolloutSample, SamplingParams  # noqa: E402
+from megarl.rollout.sglang.client import SGLangClient  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+QWEN3_VOCAB = 151936
+SHAPES: dict[str, dict[str, Any]] = {
+    "dense": {"arch": "qwen3", "hidden_size": 2048, "num_hidden_layers": 28,
+              "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+              "intermediate_size": 6144, "vocab_size": QWEN3_VOCAB, "tie_word_embeddings": False},
+    "moe": {"arch": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 8,
+            "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+            "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 768, "vocab_size": QWEN3_VOCAB},
+}
+SMOKE_SHAPES: dict[str, dict[str, Any]] = {
+    "dense": {"arch": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "intermediate_size": 128, "vocab_size": 512, "tie_word_embeddings": False},
+    "moe": {"arch": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32, "vocab_size": 512},
+}
+# prompt ids are characters of the benchmark tokenizer, so a decoded prompt encodes back to them
+PROMPT_IDS = list(range(len(SPECIAL_TOKENS), len(SPECIAL_TOKENS) + len(ALPHABET)))
+
+
+# ---------------------------------------------------------------------------------------------
+# the shared workload: model, prompts, forced lengths, reward
+# ---------------------------------------------------------------------------------------------
+
+def response_length(prompt_ids: list[int], index: int, median: float, sigma: float,
+                    cap: int) -> int:
+    """Sample ``index`` of the group of ``prompt_ids``: its forced response length (both
+    systems draw it from the same key)."""
+    key = hashlib.sha256(f"{','.join(map(str, prompt_ids))}:{index}".encode()).hexdigest()
+    draw = random.Random(key).lognormvariate(math.log(median), sigma)
+    return max(1, min(cap, round(draw)))
+
+
+def score(data_source: str, solution_str: str, ground_truth: Any, extra_info: Any = None) -> float:
+    """A deterministic pseudo-random 0/1 reward of the response text (so GRPO groups have
+    non-zero advantages); used by both systems."""
+    return float(hashlib.sha256(solution_str.encode()).digest()[0] & 1)
+
+
+def write_model(root: Path, shape: dict[str, Any], device: str) -> Path:
+    """The random bf16 HF checkpoint, the benchmark tokenizer and a generation config."""
+    if (root / "config.json").exists():
+        return root
+    from benchmarks.actor_throughput import write_hf_model
+
+    write_hf_model(root, shape, device, torch.bfloat16)
+    tok = build_tokenizer(shape["vocab_size"])
+    tok.save_pretrained(root)
+    cfg = json.loads((root / "config.json").read_text())
+    (root / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": cfg.get("eos_token_id"), "pad_token_id": cfg.get("pad_token_id")}))
+    return root
+
+
+def write_prompts(path: Path, count: int, low: int, high: int, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts of random lengths in [low, high], as ids and as their text."""
+    tok_text = {i: ALPHABET[i - len(SPECIAL_TOKENS)] for i in PROMPT_IDS}
+    rng = random.Random(seed)
+    rows, prompts = [], []
+    for index in range(count):
+        ids = [rng.choice(PROMPT_IDS) for _ in range(rng.randint(low, high))]
+        prompts.append(ids)
+        rows.append({"data_source": "e2e_bench", "input_ids": ids,
+                     "prompt": [{"role": "user", "content": "".join(tok_text[i] for i in ids)}],
+                     "text": "".join(tok_text[i] for i in ids),
+                     "reward_model": {"style": "rule", "ground_truth": ""},
+                     "extra_info": {"index": index}})
+    from megarl.data.synthetic import write_rows
+
+    write_rows(path, rows)
+    return prompts
+
+
+class ForcedLengthClient(SGLangClient):
+    """Every sample is exactly :func:`response_length` tokens long (EOS ignored); a request for
+    ``n`` samples goes as one request per sample, seed ``seed + j`` as the engine would use."""
+
+    def __init__(self, urls: list[str], *, median: float, sigma: float, cap: int,
+                 **kwargs: Any) -> None:
+        super().__init__(urls, **kwargs)
+        self.median, self.sigma, self.cap = median, sigma, cap
+
+    async def generate_one(self, prompt_ids: list[int], params: SamplingParams,
+                           **kwargs: Any) -> list[RolloutSample]:
+        rid = kwargs.pop("rid", None) or uuid.uuid4().hex
+        seed = params.seed if params.seed is not None else 0
+
+        async def one(j: int) -> RolloutSample:
+            length = response_length(prompt_ids, j, self.median, self.sigma, self.cap)
+            out = await super(ForcedLengthClient, self).generate_one(
+                prompt_ids, replace(params, n=1, seed=seed + j, max_new_tokens=length,
+                                    ignore_eos=True, stop_token_ids=()),
+                rid=f"{rid}-{j}", **kwargs)
+            return replace(out[0], sample_index=j)
+
+        return list(await asyncio.gather(*(one(j) for j in range(params.n))))
+
+
+# ---------------------------------------------------------------------------------------------
+# floors measured in the same run
+# ---------------------------------------------------------------------------------------------
+
+def _timed(fn: Any, device: str, warmup: int = 2, repeats: int = 5) -> float:
+    """Median seconds of ``fn()``."""
+    times = []
+    for i in range(warmup + repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_floors(device: str, smoke: bool) -> dict[str, float]:
+    """The dtype's matmul rate (FLOP/s) and the copy rate (bytes copied per second; a copy of B
+    bytes reads B and writes B) of this device, measured now."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    n = 1024 if smoke else 8192
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    matmul_s = _timed(lambda: a @ b, device)
+    src = torch.randn((1 << 22) if smoke else (1 << 30), device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    copy_s = _timed(lambda: dst.copy_(src), device)
+    copied = src.numel() * src.element_size()
+    del a, b, src, dst
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {"matmul_flops": 2 * n**3 / matmul_s, "copy_bytes_per_s": copied / copy_s}
+
+
+def weight_bytes(model_dir: Path, dtype_bytes: int = 2) -> tuple[int, int]:
+    """(all weights, weights a decode step reads: all but an untied input embedding) in bytes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    tied = embed is model.get_output_embeddings().weight
+    return total * dtype_bytes, (total - (0 if tied else embed.numel())) * dtype_bytes
+
+
+def decode_floor_s(model_dir: Path, prompts: list[list[int]], lengths: list[int],
+                   copy_bytes_per_s: float, dtype_bytes: int = 2) -> float:
+    """Seconds of generating ``lengths`` tokens for ``prompts`` (all at once) if every decode step
+    only read the weights and each running row's KV cache once (reads at the copy rate x 2: a
+    copy reads and writes)."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    _, read = weight_bytes(model_dir, dtype_bytes)
+    kv_per_token = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * dtype_bytes
+    total = 0.0
+    for step in range(max(lengths)):
+        cached = sum(len(p) + step for p, n in zip(prompts, lengths) if step < n)
+        total += read + cached * kv_per_token
+    return total / (2 * copy_bytes_per_s)
+
+
+def flops_per_token(model_dir: Path, seq_len: float, train: bool) -> float:
+    from transformers import AutoConfig
+
+    from benchmarks.actor_throughput import train_flops_per_token
+
+    flops = train_flops_per_token(AutoConfig.from_pretrained(model_dir), int(seq_len))
+    return flops if train else flops / 3
+
+
+# ---------------------------------------------------------------------------------------------
+# megarl
+# ---------------------------------------------------------------------------------------------
+
+def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
+               prompts: list[list[int]]) -> dict[str, Any]:
+    """Warm-up and timed colocated GRPO steps through the real trainer; per-step metrics."""
+    from megarl.config import load_config
+    from megarl.config.schema import SchedulerConfig
+    from megarl.demo import DEMOS
+    from megarl.scheduler import build_scheduler
+    from megarl.trainer import Trainer
+
+    device = args.device
+    spec = DEMOS["cuda" if device == "cuda" else "cpu"]
+    samples = len(prompts) * args.n
+    overrides = [
+        f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
+        f"trainer.output_dir={args.out / shape / 'megarl'}", "trainer.loggers=[jsonl]",
+        "trainer.resume=never", f"trainer.total_steps={args.warmup + args.steps}",
+        f"data.train_batch_size={len(prompts)}", f"rollout.n={args.n}",
+        f"actor.ppo_mini_batch_size={len(prompts)}",
+        f"actor.ppo_micro_batch_size_per_gpu={max(1, samples // args.micro_batches)}",
+        f"data.max_prompt_length={args.prompt_len[1]}",
+        f"data.max_response_length={args.max_response}",
+        f"reward.function={Path(__file__).resolve()}:score", "reward.num_workers=0",
+        "actor.parallel.ep=1", "resources.train_pool.gpus_per_node=1", "ray.address=local",
+        f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}"]
+    cfg, sources = load_config(str(spec.config), overrides)
+    trainer = Trainer(cfg, sources)
+    history: list[dict[str, float]] = []
+    walls: list[float] = []
+    try:
+        trainer.setup()
+        urls = trainer.workers.client.urls
+        trainer.run(trainer.workers.client.close())
+        trainer.workers.client = ForcedLengthClient(
+            urls, median=args.median, sigma=args.sigma, cap=args.max_response,
+            timeout_s=trainer.cfg.trainer.phase_timeout_s)
+        scheduler = build_scheduler(trainer, SchedulerConfig(mode="colocate_sync"))
+        try:
+            total = args.warmup + args.steps
+            for k in range(total):
+                start = time.perf_counter()
+                metrics = scheduler.step(last=k == total - 1)
+                walls.append(time.perf_counter() - start)
+                history.append(metrics)
+                print(f"[megarl {shape}] step {k + 1}/{total}: {walls[-1]:.2f} s", flush=True)
+            scheduler.finish()
+        finally:
+            scheduler.close()
+    finally:
+        trainer.close()
+    return {"walls": walls[args.warmup:], "metrics": history[args.warmup:]}
+
+
+# ---------------------------------------------------------------------------------------------
+# TRL (runs in its own process: ``--trl-worker``)
+# ---------------------------------------------------------------------------------------------
+
+def trl_worker(args: argparse.Namespace) -> int:
+    """TRL's GRPOTrainer on the same model, prompts and forced lengths; writes step seconds."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    spec = json.loads(Path(args.trl_worker).read_text())
+    model_dir = Path(spec["model"])
+    rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    eos = tok.eos_token_id
+    n, median, sigma, cap = spec["n"], spec["median"], spec["sigma"], spec["max_response"]
+
+    class ForceLengths(LogitsProcessor):
+        """EOS is forbidden before the sample's forced length and forced right after it (the
+        EOS is TRL's completion's last token, so the length is the forced one plus one)."""
+
+        def __init__(self) -> None:
+            self.targets: torch.Tensor | None = None
+            self.start = 0
+
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+            if self.targets is None:
+                self.start = input_ids.shape[1]
+                seen: dict[tuple[int, ...], int] = {}
+                targets = []
+                for row in input_ids.tolist():
+                    prompt = tuple(t for t in row if t != tok.pad_token_id)
+                    j = seen.get(prompt, 0)
+                    seen[prompt] = j + 1
+                    targets.append(response_length(list(prompt), j, median, sigma, cap))
+                self.targets = torch.tensor(targets, device=scores.device)
+            done = input_ids.shape[1] - self.start
+            force = self.targets == done
+            scores[~force, eos] = -math.inf
+            scores[force] = -math.inf
+            scores[force, eos] = 0.0
+            return scores
+
+    class StepTimes(TrainerCallback):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+            self.lengths: list[float] = []
+            self.start = 0.0
+
+        def on_log(self, *a: Any, logs: dict[str, Any] | None = None, **k: Any) -> None:
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(float(logs["completions/mean_length"]))
+
+        def on_step_begin(self, *a: Any, **k: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.start = time.perf_counter()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self.start)
+            print(f"[trl] step {len(self.times)}: {self.times[-1]:.2f} s", flush=True)
+
+    def reward(completions: list[str], **kwargs: Any) -> list[float]:
+        return [score("e2e_bench", c, "") for c in completions]
+
+    prompts_per_step = len(rows)
+    samples = prompts_per_step * n
+    micro = max(1, samples // spec["micro_batches"])
+    cuda = torch.cuda.is_available()
+    config = GRPOConfig(
+        output_dir=spec["out"], max_steps=spec["steps"], num_generations=n,
+        per_device_train_batch_size=micro, gradient_accumulation_steps=samples // micro,
+        max_completion_length=cap + 1, learning_rate=1e-6, beta=0.0, num_iterations=1,
+        temperature=1.0, logging_steps=1, report_to=[], save_strategy="no", bf16=cuda,
+        use_cpu=not cuda, model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32},
+        dataloader_num_workers=0, seed=0, shuffle_dataset=False, disable_dropout=True,
+        **({"use_vllm": True, "vllm_mode": "colocate"} if spec.get("vllm") else {}))
+    dataset = Dataset.from_list([{"prompt": r["text"]} for r in rows] * spec["steps"])
+    timer = StepTimes()
+    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config,
+                          train_dataset=dataset, processing_class=tok, callbacks=[timer])
+    processor = ForceLengths()
+    generate = trainer.model.generate
+
+    def forced_generate(*a: Any, **k: Any) -> Any:
+        processor.targets = None
+        k["logits_processor"] = LogitsProcessorList([processor])
+        return generate(*a, **k)
+
+    trainer.model.generate = forced_generate
+    trainer.train()
+    Path(spec["result"]).write_text(json.dumps({"step_s": timer.times,
+                                                "mean_completion_length": timer.lengths}))
+    return 0
+
+
+def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) -> dict[str, Any]:
+    """Runs :func:`trl_worker` in a child process; its per-step seconds, or why it did not run."""
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return {"skipped": "trl is not installed (pip install 'megarl[bench]')"}
+    out = args.out / shape / "trl"
+    out.mkdir(parents=True, exist_ok=True)
+    spec = {"model": str(model), "prompts": str(rows_path), "n": args.n, "median": args.median,
+            "sigma": args.sigma, "max_response": args.max_response, "out": str(out),
+            "steps": args.warmup + args.steps, "micro_batches": args.micro_batches,
+            "result": str(out / "result.json"), "vllm": args.trl_vllm}
+    (out / "spec.json").write_text(json.dumps(spec))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(out / "spec.json")],
+                          env=env, cwd=REPO)
+    if proc.returncode != 0:
+        return {"failed": f"TRL exited with {proc.returncode}"}
+    result = json.loads((out / "result.json").read_text())
+    return {"walls": result["step_s"][args.warmup:],
+            "mean_completion_length": result["mean_completion_length"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# the report
+# ---------------------------------------------------------------------------------------------
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
+              floors: dict[str, float], megarl: dict[str, Any],
+              trl: dict[str, Any]) -> dict[str, Any]:
+    """Per-phase figures and their floors."""
+    lengths = [response_length(p, j, args.median, args.sigma, args.max_response)
+               for p in prompts for j in range(args.n)]
+    prompt_rows = [p for p in prompts for _ in range(args.n)]
+    response_tokens = sum(lengths)
+    all_tokens = response_tokens + sum(len(p) for p in prompt_rows)
+    seq_len = all_tokens / len(lengths)
+    m = megarl["metrics"]
+
+    missing: list[str] = []
+
+    def t(key: str) -> float:
+        values = [row[key] for row in m if key in row]
+        if not values:  # e.g. release/resume on separate pools: 0 s, and said so
+            missing.append(key)
+        return mean(values) if values else 0.0
+
+    dtype_bytes = 2 if args.device == "cuda" else 4
+    total_bytes, _ = weight_bytes(model, dtype_bytes)
+    gen_floor = decode_floor_s(model, prompt_rows, lengths, floors["copy_bytes_per_s"],
+                               dtype_bytes)
+    step_s = mean(megarl["walls"])
+    out: dict[str, Any] = {
+        "response_tokens": response_tokens, "tokens": all_tokens,
+        "mean_response_length": response_tokens / len(lengths),
+        "trained_response_length": t("response_length/mean"),
+        "gen_s": t("timing/gen"), "gen_tokens_per_s": response_tokens / t("timing/gen"),
+        "gen_floor_s": gen_floor, "gen_floor_fraction": gen_floor / t("timing/gen"),
+        "old_log_prob_s": t("timing/old_log_prob"),
+        "update_actor_s": t("timing/update_actor"),
+        "sync_s": t("timing/sync_weights"), "weight_bytes": total_bytes,
+        "release_s": t("timing/release_rollout"),
+        "resume_s": t("timing/resume_rollout") + t("timing/resume_rollout_kv"),
+        "reward_s": t("timing/reward"), "step_s": step_s, "step_tokens_per_s": all_tokens / step_s,
+    }
+    for phase, train in (("old_log_prob", False), ("update_actor", True)):
+        tps = all_tokens / out[f"{phase}_s"]
+        out[f"{phase}_tokens_per_s"] = tps
+        out[f"{phase}_mfu"] = tps * flops_per_token(model, seq_len, train) / floors["matmul_flops"]
+    out["sync_gb_per_s"] = total_bytes / out["sync_s"] / 1e9
+    out["sync_copy_fraction"] = total_bytes / out["sync_s"] / floors["copy_bytes_per_s"]
+    out["other_s"] = step_s - sum(out[k] for k in ("gen_s", "old_log_prob_s", "update_actor_s",
+                                                    "sync_s", "release_s", "resume_s", "reward_s"))
+    out["phases_not_run"] = missing
+    if "walls" in trl:
+        out["trl_mean_completion_length"] = mean(trl["mean_completion_length"])
+        out["trl_step_s"] = mean(trl["walls"])
+        out["trl_tokens_per_s"] = all_tokens / out["trl_step_s"]
+        out["megarl_over_trl"] = out["trl_step_s"] / step_s
+    else:
+        out["trl"] = trl
+    return out
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    """Stacked phase seconds per shape (megarl, and TRL's whole step), and each phase's
+    fraction of its floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = ["gen_s", "old_log_prob_s", "update_actor_s", "sync_s", "release_s", "resume_s",
+              "reward_s", "other_s"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    labels, x = [], 0
+    for shape, r in results.items():
+        bottom = 0.0
+        for i, phase in enumerate(phases):
+            value = max(0.0, r[phase])
+            left.bar(x, value, bottom=bottom, color=f"C{i}",
+                     label=phase.removesuffix("_s") if x == 0 else None)
+            bottom += value
+        labels.append(f"{shape}\nmegarl")
+        x += 1
+        if "trl_step_s" in r:
+            left.bar(x, r["trl_step_s"], color="#444444", label="TRL step" if x == 1 else None)
+            left.text(x, r["trl_step_s"], f"{r['megarl_over_trl']:.1f}x", ha="center",
+                      va="bottom")
+            labels.append(f"{shape}\nTRL")
+            x += 1
+    left.set_xticks(range(len(labels)), labels)
+    left.set_ylabel("seconds per step")
+    left.set_title("step breakdown")
+    left.legend(fontsize=8)
+    keys = [("gen_floor_fraction", "gen / floor"), ("old_log_prob_mfu", "old_lp MFU"),
+            ("update_actor_mfu", "update MFU"), ("sync_copy_fraction", "sync / copy")]
+    width = 0.8 / max(1, len(results))
+    for i, (shape, r) in enumerate(results.items()):
+        right.bar([k + i * width for k in range(len(keys))], [r[k] for k, _ in keys], width,
+                  label=shape)
+    right.set_xticks([k + width * (len(results) - 1) / 2 for k in range(len(keys))],
+                     [name for _, name in keys])
+    right.set_ylabel("fraction of the measured floor")
+    right.set_title("phases against their floors")
+    right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("outputs/bench/e2e_step"))
+    p.add_argument("--shape", choices=["dense", "moe", "both"], default="both")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    p.add_argument("--n", type=int, default=8, help="samples per prompt")
+    p.add_argument("--prompt-len", type=int, nargs=2, default=[256, 512])
+    p.add_argument("--max-response", type=int, default=2048)
+    p.add_argument("--median", type=float, default=512.0, help="median forced response length")
+    p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of the lengths")
+    p.add_argument("--moe-layers", type=int, default=8)
+    p.add_argument("--micro-batches", type=int, default=8,
+                   help="micro-batches per step in both systems")
+    p.add_argument("--steps", type=int, default=2, help="timed steps")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--trl", choices=["on", "off"], default="on")
+    p.add_argument("--trl-vllm", action="store_true", help="TRL with vLLM colocated generation")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes and lengths (CPU, CI)")
+    p.add_argument("--trl-worker", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.prompts, args.n, args.prompt_len, args.max_response = 4, 2, [8, 16], 16
+        args.median, args.steps, args.micro_batches = 6.0, 1, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(sys.argv[1:] if argv is None else argv)
+    if args.trl_worker:
+        return trl_worker(args)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args.out.mkdir(parents=True, exist_ok=True)
+    shapes = ["dense", "moe"] if args.shape == "both" else [args.shape]
+    floors = measure_floors(args.device, args.smoke)
+    print(f"floors: matmul {floors['matmul_flops'] / 1e12:.1f} TFLOP/s, copy "
+          f"{floors['copy_bytes_per_s'] / 1e9:.0f} GB/s", flush=True)
+    results: dict[str, dict[str, Any]] = {}
+    for shape in shapes:
+        dims = dict((SMOKE_SHAPES if args.smoke else SHAPES)[shape])
+        if shape == "moe" and not args.smoke:
+            dims["num_hidden_layers"] = args.moe_layers
+        model = write_model(args.out / shape / "model", dims,
+                            "cuda" if args.device == "cuda" else "cpu")
+        rows_path = args.out / shape / "prompts.jsonl"
+        prompts = write_prompts(rows_path, args.prompts, *args.prompt_len)
+        megarl = run_megarl(args, shape, model, rows_path, prompts)
+        trl = run_trl(args, shape, model, rows_path) if args.trl == "on" else {"skipped": "--trl off"}
+        results[shape] = summarize(args, model, prompts, floors, megarl, trl)
+        print(json.dumps({shape: results[shape]}, indent=1), flush=True)
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    (args.out / "e2e_step.json").write_text(json.dumps(
+        {"settings": settings, "floors": floors, "results": results}, indent=2))
+    title = (f"{args.prompts} prompts x {args.n}, prompts {args.prompt_len[0]}-"
+             f"{args.prompt_len[1]} tokens, responses log-normal(median {args.median:.0f}, sigma "
+             f"{args.sigma}) <= {args.max_response}, {args.device}")
+    plot(results, args.out / "e2e_step.png", title)
+    print(f"{'shape':<6}{'step s':>8}{'tok/s':>10}{'gen/floor':>10}{'oldlp MFU':>10}"
+          f"{'upd MFU':>9}{'sync/copy':>10}{'TRL s':>8}{'x TRL':>7}")
+    for shape, r in results.items():
+        print(f"{shape:<6}{r['step_s']:>8.2f}{r['step_tokens_per_s']:>10.0f}"
+              f"{r['gen_floor_fraction']:>10.1%}{r['old_log_prob_mfu']:>10.1%}"
+              f"{r['update_actor_mfu']:>9.1%}{r['sync_copy_fraction']:>10.1%}"
+              f"{r.get('trl_step_s', float('nan')):>8.2f}{r.get('megarl_over_trl', float('nan')):>7.1f}")
+    print(f"wrote {args.out / 'e2e_step.json'} and {args.out / 'e2e_step.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
