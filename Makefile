@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/megarl demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x --durations=40 tests
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests

@@ -526,7 +526,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--median", type=float, default=512.0, help="median forced response length")
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of the lengths")
     p.add_argument("--moe-layers", type=int, default=8)
-    p.add_argument("--micro-batches", type=int, default=8,
+    p.add_argument("--micro-batches", type=int, default=16,
                    help="micro-batches per step in both systems")
     p.add_argument("--steps", type=int, default=2, help="timed steps")
     p.add_argument("--warmup", type=int, default=1)
