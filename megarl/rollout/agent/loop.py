@@ -257,11 +257,15 @@ def agent_metrics(samples: Sequence[RolloutSample]) -> dict[str, float]:
 class AgentLoop:
     """Episodes for a step's prompts: the tools or environment of ``rollout.multi_turn``."""
 
-    def __init__(self, settings: AgentSettings, tokenizer: Any, tools: Sequence[str] = (),
-                 env: str | None = None, max_tool_response_length: int = 256) -> None:
+    def __init__(self, settings: AgentSettings, tokenizer: Any,
+                 tools: Sequence[str | Callable] = (),
+                 env: str | Callable[[dict[str, Any]], Environment] | None = None,
+                 max_tool_response_length: int = 256) -> None:
+        """``tools`` and ``env`` (a factory called with the prompt row) are objects or their
+        import paths."""
         self.settings, self.tokenizer = settings, tokenizer
-        self.tools = [load_object(path) for path in tools]
-        self.env_factory = load_object(env) if env else None
+        self.tools = [load_object(t) if isinstance(t, str) else t for t in tools]
+        self.env_factory = load_object(env) if isinstance(env, str) else env
         self.max_tool_response_length = max_tool_response_length
         self.eos_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
         self.codec = Codec(tokenizer)
