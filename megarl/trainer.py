@@ -237,9 +237,13 @@ class Trainer:
             RewardSample(row["data_source"], tok.decode(s.response_ids, skip_special_tokens=True),
                          row["ground_truth"], row.get("extra_info") or {})
             for row, s in zip(rows, samples)]))
-        metrics = {"val/score/mean": sum(result.scores) / len(result.scores)}
+        totals = [x + s.extra.get("agent", {}).get("env_reward", 0.0)
+                  for x, s in zip(result.scores, samples)]
+        metrics = {"val/score/mean": sum(totals) / len(totals)}
+        metrics.update({f"val/{k}": v for k, v in agent_metrics(samples).items()
+                        if k.startswith("agent/")})
         for source in sorted({row["data_source"] for row in rows}):
-            scores = [x for row, x in zip(rows, result.scores) if row["data_source"] == source]
+            scores = [x for row, x in zip(rows, totals) if row["data_source"] == source]
             metrics[f"val/{source}/score/mean"] = sum(scores) / len(scores)
         return metrics
 

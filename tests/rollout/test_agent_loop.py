@@ -190,3 +190,20 @@ def test_budgets_end_episodes_and_are_counted(server, tokenizer, prompts):
     s = samples[0]
     assert len(s.response_ids) == 8 + env_len and s.extra["agent"]["turns"] == 2
     assert agent_metrics(samples)["agent/budget_hit/tokens"] == 1
+
+
+def test_turn_routes_keep_each_turns_rows_and_pad_what_the_engine_skipped():
+    """Turn 2's prefill recomputes rows of turn 1's tokens: the episode keeps turn 1's; rows an
+    engine did not return (a skipped prompt prefix) are -1."""
+    from megarl.rollout.agent.loop import stitch_turn_routes
+
+    def turn(prompt: list[int], response: list[int], fill: int, rows: int) -> RolloutSample:
+        return RolloutSample(0, 0, prompt, response, None, "stop", "0",
+                             routed_experts=torch.full((rows, 1, 2), fill, dtype=torch.int16))
+
+    first = turn([1, 2, 3], [4, 5], fill=1, rows=3)  # 4 fed tokens, the first one skipped
+    routes = stitch_turn_routes(None, first)
+    assert routes[:, 0, 0].tolist() == [-1, 1, 1, 1]
+    second = turn([1, 2, 3, 4, 5, 9, 9], [6, 7], fill=2, rows=8)
+    routes = stitch_turn_routes(routes, second)
+    assert routes[:, 0, 0].tolist() == [-1, 1, 1, 1, 2, 2, 2, 2]

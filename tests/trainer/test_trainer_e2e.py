@@ -244,13 +244,17 @@ def test_multi_turn_episodes_train_with_r3(assets, tmp_path, mode):
                            "rollout.multi_turn.enable=true",
                            "rollout.multi_turn.env=agent_env:make_env",
                            "rollout.multi_turn.max_tokens_per_turn=6",
-                           "data.max_response_length=80", "actor.router_replay.mode=R3")
+                           "data.max_response_length=80", "actor.router_replay.mode=R3",
+                           "trainer.val_every=2", "data.val_batch_size=16")
     try:
         trainer.setup()
         history = trainer.fit()
     finally:
         trainer.close()
     assert len(history) == 2
+    # greedy validation runs episodes too; the environment's rewards count in its score
+    assert history[-1]["val/agent/num_turns/mean"] == 3
+    assert history[-1]["val/score/mean"] >= history[-1]["val/agent/env_reward/mean"]
     for i, step in enumerate(history):
         assert step["agent/num_turns/mean"] == 3 and step["agent/tool_calls/mean"] == 3
         assert step["agent/budget_hit/tokens"] == 0 and step["agent/budget_hit/turns"] == 0
