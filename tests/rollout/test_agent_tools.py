@@ -131,3 +131,20 @@ def test_code_interpreter_tool_returns_output_or_the_error() -> None:
     bad = asyncio.run(env.step(call("code_interpreter", '{"code": "1/0"}')))
     assert "ZeroDivisionError: division by zero" in bad.observation
     assert bad.info["tool_errors"] == 1
+
+
+def test_sandbox_cannot_reach_a_server_of_the_host_even_through_raw_sockets() -> None:
+    """Where the kernel allows an unprivileged network namespace, the child has only its own
+    loopback: even ``_socket`` (below the Python-level block) cannot reach the host's."""
+    import socket
+
+    probe = run_python("print(open('/proc/net/dev').read().count(':'))", timeout_s=10)
+    if probe.stdout.strip() != "1":
+        pytest.skip("no unprivileged network namespaces here; only the Python-level block")
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = ("import _socket\ns = _socket.socket()\ns.settimeout(2)\ntry:\n"
+                f"    s.connect(('127.0.0.1', {port}))\n    print('connected')\n"
+                "except OSError as e:\n    print('refused', type(e).__name__)\n")
+        result = run_python(code, timeout_s=10)
+    assert result.stdout.startswith("refused"), (result.stdout, result.stderr)

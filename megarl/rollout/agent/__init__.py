@@ -14,7 +14,13 @@ from megarl.rollout.agent.loop import (
     agent_metrics,
     run_episode,
 )
-from megarl.rollout.agent.tools import ToolCall, calculator, code_interpreter, parse_tool_calls, tool
+from megarl.rollout.agent.tools import (
+    ToolCall,
+    calculator,
+    code_interpreter,
+    parse_tool_calls,
+    tool,
+)
 
 __all__ = ["AgentLoop", "AgentSettings", "Environment", "StepResult", "ToolCall",
            "ToolEnvironment", "agent_metrics", "calculator", "code_interpreter",

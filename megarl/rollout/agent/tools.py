@@ -85,7 +85,7 @@ async def call_tool(fn: Callable, arguments: dict[str, Any]) -> tuple[str, bool]
             result = await fn(**arguments)
         else:
             result = await asyncio.to_thread(fn, **arguments)
-    except Exception as err:  # a tool's failure is the model's observation
+    except Exception as err:  # noqa: BLE001 - a tool's failure is the model's observation
         return f"error: {type(err).__name__}: {err}", True
     return str(result), False
 
