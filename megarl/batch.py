@@ -73,8 +73,11 @@ class StepBatch:
         return [list(s.prompt_ids) + list(s.response_ids) for s in self.samples]
 
     def response_mask(self) -> torch.Tensor:
-        """``[B, T]`` 1 on each sample's response tokens."""
-        return pad_responses([[1.0] * len(s.response_ids) for s in self.samples],
+        """``[B, T]`` 1 on each sample's response tokens that the model generated; environment
+        tokens of a multi-turn episode (``RolloutSample.response_mask`` 0) are 0, so they never
+        count in the loss, entropy, KL, advantages or rollout-correction metrics."""
+        return pad_responses([[1.0] * len(s.response_ids) if s.response_mask is None
+                              else [float(m) for m in s.response_mask] for s in self.samples],
                              max(self.width, 1))
 
     def group_index(self) -> list[int]:

@@ -62,6 +62,7 @@ from megarl.metrics.health import (
 )
 from megarl.metrics.timing import reduce_metrics, throughput_metrics, timer
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
+from megarl.rollout.agent import AgentLoop, AgentSettings, agent_metrics
 from megarl.rollout.interface import RolloutSample, SamplingParams
 from megarl.scheduler import build_scheduler
 from megarl.scheduler.dynamic_sampling import fill_with_varied_groups
@@ -108,6 +109,7 @@ class Trainer:
         self.loader = PromptLoader(self.dataset, cfg.data.train_batch_size, seed=cfg.data.seed,
                                    shuffle=cfg.data.shuffle)
         self.tokenizer = self.dataset.tokenizer
+        self.agent = make_agent_loop(cfg, self.tokenizer)
         if self.is_driver:  # outputs only once the inputs were read without error
             self.save_config()
         self.val_dataset = None
@@ -225,15 +227,23 @@ class Trainer:
         size = cfg.data.val_batch_size or len(rows)
         samples = []
         for batch in PromptLoader(rows, size, shuffle=False, drop_last=False):
+            if self.agent is not None:  # greedy episodes, the same tools as in training
+                samples += self.on_driver(lambda b=batch: self.run(self.agent.rollout(
+                    self.workers.client, b, params, [0] * len(b), {"return_logprob": False})))
+                continue
             samples += self.on_driver(lambda b=batch: self.run(self.workers.client.generate(
                 [p["input_ids"] for p in b], params, return_logprob=False)))
         result = self.on_driver(lambda: self.rewards.score([
             RewardSample(row["data_source"], tok.decode(s.response_ids, skip_special_tokens=True),
                          row["ground_truth"], row.get("extra_info") or {})
             for row, s in zip(rows, samples)]))
-        metrics = {"val/score/mean": sum(result.scores) / len(result.scores)}
+        totals = [x + s.extra.get("agent", {}).get("env_reward", 0.0)
+                  for x, s in zip(result.scores, samples)]
+        metrics = {"val/score/mean": sum(totals) / len(totals)}
+        metrics.update({f"val/{k}": v for k, v in agent_metrics(samples).items()
+                        if k.startswith("agent/")})
         for source in sorted({row["data_source"] for row in rows}):
-            scores = [x for row, x in zip(rows, result.scores) if row["data_source"] == source]
+            scores = [x for row, x in zip(rows, totals) if row["data_source"] == source]
             metrics[f"val/{source}/score/mean"] = sum(scores) / len(scores)
         return metrics
 
@@ -323,6 +333,10 @@ class Trainer:
         """The samples of step ``step_index``'s prompts, generated through ``client`` (the
         schedulers call it from their own event loop)."""
         with phase_memory("gen", "the rollout engines"):
+            if self.agent is not None:  # multi-turn episodes (rollout.multi_turn)
+                return await self.agent.rollout(client, prompts, self.sampling_params(),
+                                                self.prompt_seeds(step_index, len(prompts)),
+                                                self.generation_options())
             return await client.generate([p["input_ids"] for p in prompts],
                                          self.sampling_params(),
                                          seeds=self.prompt_seeds(step_index, len(prompts)),
@@ -360,7 +374,9 @@ class Trainer:
             items.append(RewardSample(row["data_source"], text, row["ground_truth"],
                                       row.get("extra_info") or {}))
         result = self.on_driver(lambda: self.rewards.score(items))
-        batch.scores = torch.tensor(result.scores, dtype=torch.float32)
+        env_rewards = [s.extra.get("agent", {}).get("env_reward", 0.0) for s in batch.samples]
+        batch.scores = torch.tensor(result.scores, dtype=torch.float32) + torch.tensor(
+            env_rewards, dtype=torch.float32)  # an environment's rewards (multi-turn) add up
         return dict(result.metrics)
 
     def token_level_rewards(self, batch: StepBatch) -> tuple[torch.Tensor, dict[str, float]]:
@@ -555,6 +571,7 @@ class Trainer:
                                                 for s in batch.samples) / len(batch)),
             "critic/advantages/mean": float(batch.advantages[batch.response_mask() > 0].mean()),
         }
+        out.update(agent_metrics(batch.samples))
         prompt_tokens = sum(len(s.prompt_ids) for s in batch.samples)
         out.update(throughput_metrics(
             metrics, prompt_tokens=prompt_tokens, response_tokens=int(lengths.sum()),
@@ -576,6 +593,19 @@ class Trainer:
             from megarl.cluster import write_timeline
 
             write_timeline(self.cfg.ray.timeline_file)
+
+
+def make_agent_loop(cfg: RunConfig, tokenizer: Any) -> AgentLoop | None:
+    """The agent loop of ``rollout.multi_turn`` (None when it is off)."""
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return None
+    settings = AgentSettings(max_assistant_turns=mt.max_assistant_turns,
+                             max_user_turns=mt.max_user_turns,
+                             max_tokens_per_turn=mt.max_tokens_per_turn,
+                             max_response_length=cfg.data.max_response_length, format=mt.format)
+    return AgentLoop(settings, tokenizer, tools=mt.tools, env=mt.env,
+                     max_tool_response_length=mt.max_tool_response_length)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:

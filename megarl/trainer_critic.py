@@ -168,7 +168,7 @@ def critic_record(batch: StepBatch, targets: CriticTargets, i: int) -> dict[str,
         return [0.0] * p + row[:r].tolist()
 
     return {"tokens": list(sample.prompt_ids) + list(sample.response_ids),
-            "loss_mask": [0.0] * p + [1.0] * r,
+            "loss_mask": [0.0] * p + [float(m) for m in (sample.response_mask or [1] * r)],
             "values": full(targets.values[i]), "returns": full(targets.returns[i])}
 
 

@@ -32,6 +32,34 @@ RolloutRS = Literal[
 ]
 
 
+class MultiTurnConfig(Section):
+    """Multi-turn, tool-using episodes (names follow verl's `rollout.multi_turn`): model turns
+    and environment turns, kept as token ids; environment tokens get loss mask 0."""
+
+    enable: bool = Field(False, description=(
+        "generate episodes of model and environment turns instead of one response per sample"))
+    max_assistant_turns: int | None = Field(5, ge=1, description=(
+        "model turns per episode at most; null = bounded by the token budget only"))
+    max_user_turns: int | None = Field(None, ge=1, description=(
+        "environment (tool) turns per episode at most; null = bounded by the other budgets"))
+    max_tokens_per_turn: int | None = Field(None, ge=1, description=(
+        "tokens one model turn may generate; null = what is left of the episode budget, which "
+        "is `data.max_response_length` (all tokens after the prompt, model and environment)"))
+    format: Literal["hermes"] = Field("hermes", description=(
+        "tool-call and chat format: hermes = Qwen3/Hermes `<tool_call>{json}</tool_call>`, "
+        "results as a user turn of `<tool_response>`s"))
+    tools: list[str] = Field(default_factory=list, description=(
+        "tool functions by import path (`package.module:function`, a JSON schema attached "
+        "with `megarl.rollout.agent.tool`); built in: `megarl.rollout.agent:calculator`, "
+        "`megarl.rollout.agent:code_interpreter` (sandboxed Python)"))
+    env: str | None = Field(None, description=(
+        "instead of tools: an environment factory by import path, called with the prompt row "
+        "and returning an object with `async step(text) -> StepResult(observation, reward, "
+        "done)`; its rewards are added to the reward function's score"))
+    max_tool_response_length: int = Field(256, ge=1, description=(
+        "characters of one tool result shown to the model (longer results are cut)"))
+
+
 class RolloutConfig(Section):
     """Generation on the rollout pool: engine backend, sampling and engine capacity."""
 
@@ -65,6 +93,8 @@ class RolloutConfig(Section):
     host: str = Field("127.0.0.1", description=(
         "interface the engine HTTP servers bind to; anything but a loopback address (e.g. "
         "0.0.0.0 for engines on other nodes) needs `api_key`"))
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig, description=(
+        "multi-turn, tool-using episodes (agent loop)"))
 
 
 class CheckpointEngineConfig(Section):

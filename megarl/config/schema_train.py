@@ -50,7 +50,8 @@ class DataConfig(Section):
     prompt_key: str = Field("prompt", description="column that holds the chat-format prompt")
     max_prompt_length: int = Field(512, ge=1, description="longest prompt in tokens")
     max_response_length: int = Field(1024, ge=1, description=(
-        "most tokens generated per response"))
+        "most tokens generated per response; with `rollout.multi_turn` the budget of the "
+        "whole episode after the prompt (model and environment tokens)"))
     train_batch_size: int = Field(64, ge=1, description=(
         "prompts per RL step; each gets `rollout.n` responses"))
     val_batch_size: int | None = Field(None, ge=1, description=(

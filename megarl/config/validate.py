@@ -560,6 +560,51 @@ def check_optional_packages(ctx: Context) -> Iterator[Problem]:
                         "and that its directory is on PYTHONPATH")
 
 
+def _import_path_problem(field: str, path: str) -> Problem | None:
+    """An error when the module of ``package.module:name`` cannot be found."""
+    module = path.partition(":")[0] if ":" in path else path.rpartition(".")[0]
+    try:
+        found = bool(module) and importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if found:
+        return None
+    return error(field, f"{path!r}: module {module!r} cannot be found", "write it as "
+                 "'package.module:name' with the package on PYTHONPATH (built-in tools: "
+                 "megarl.rollout.agent:calculator, megarl.rollout.agent:code_interpreter)")
+
+
+def check_multi_turn(ctx: Context) -> Iterator[Problem]:
+    """Multi-turn episodes need tools or an environment (not both), importable, and budgets
+    that fit in ``data.max_response_length``."""
+    mt, cfg = ctx.cfg.rollout.multi_turn, ctx.cfg
+    if not mt.enable:
+        return
+    if not mt.tools and mt.env is None:
+        yield error(("rollout.multi_turn.tools", "rollout.multi_turn.env"), "multi-turn "
+                    "episodes need tools or an environment to answer the model",
+                    "set rollout.multi_turn.tools=[megarl.rollout.agent:calculator] (or your "
+                    "own), or rollout.multi_turn.env")
+    if mt.tools and mt.env is not None:
+        yield error(("rollout.multi_turn.tools", "rollout.multi_turn.env"), "both are set, but "
+                    "an episode has one environment", "set one of them (an environment can "
+                    "run tools itself)")
+    for i, path in enumerate(mt.tools):
+        problem = _import_path_problem(f"rollout.multi_turn.tools[{i}]", path)
+        if problem is not None:
+            yield problem
+    if mt.env is not None and (problem := _import_path_problem("rollout.multi_turn.env",
+                                                                mt.env)) is not None:
+        yield problem
+    if mt.max_tokens_per_turn is not None and (
+            mt.max_tokens_per_turn > cfg.data.max_response_length):
+        yield error(("rollout.multi_turn.max_tokens_per_turn", "data.max_response_length"),
+                    f"a turn may generate {mt.max_tokens_per_turn} tokens but the whole episode "
+                    f"after the prompt holds {cfg.data.max_response_length}",
+                    f"set rollout.multi_turn.max_tokens_per_turn <= "
+                    f"{cfg.data.max_response_length}, or null")
+
+
 def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
     """(settings, ignored?, what turns them on) for options that only act with another one."""
     alg, sched_off = cfg.algorithm, cfg.scheduler.mode != "fully_async"
@@ -599,6 +644,8 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
         ("trainer.wandb_proxy", "wandb" not in cfg.trainer.loggers, "add wandb to trainer.loggers"),
         ("ref", not cfg.ref.enabled, "set actor.use_kl_loss=true or ref.enabled=true"),
         ("critic", not cfg.critic.enabled, "set algorithm.adv_estimator=gae"),
+        ("rollout.multi_turn", not cfg.rollout.multi_turn.enable,
+         "set rollout.multi_turn.enable=true"),
     ]
 
 
@@ -607,7 +654,8 @@ def check_settings_without_effect(ctx: Context) -> Iterator[Problem]:
     user_set = [p for p, origin in ctx.sources.items() if origin != "derived"]
     for setting, ignored, enable in _ignored_settings(ctx.cfg):
         hits = tuple(p for p in user_set if (p == setting or p.startswith(setting + "."))
-                     and p not in ("ref.enabled", "critic.enabled"))
+                     and p not in ("ref.enabled", "critic.enabled",
+                                   "rollout.multi_turn.enable"))
         if ignored and hits:
             yield warning(hits, "set but has no effect in this configuration",
                           f"{enable} to use it, or remove it")
@@ -625,7 +673,8 @@ RULES: tuple[Rule, ...] = (
     check_not_built, check_group_size, check_estimator_is_built, check_critic_for_gae,
     check_reference_layout, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_router_replay, check_cuda_graphs, check_training_safety,
-    check_validation_data, check_optional_packages, check_settings_without_effect,
+    check_validation_data, check_optional_packages, check_multi_turn,
+    check_settings_without_effect,
     check_memory_fits,
 )
 

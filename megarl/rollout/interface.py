@@ -179,6 +179,10 @@ class RolloutSample:
     """Per response token, the weight version that generated it, for a partial rollout that
     was resumed under newer weights (:mod:`megarl.scheduler.partial`); None = every token
     comes from ``weight_version``."""
+    response_mask: list[int] | None = None
+    """Per response token, 1 if the model generated it (trained on) and 0 if an environment
+    added it (tool output, chat-template glue of a multi-turn episode,
+    :mod:`megarl.rollout.agent`); None = every response token is the model's."""
 
     def response_routed_experts(self) -> torch.Tensor | None:
         """``[len(response), moe_layers, top_k]``: the routes of the forward step that produced

@@ -92,7 +92,8 @@ class FullyAsync(Scheduler):
                 StalenessBudget(cfg.trigger_parameter_sync_step * self.groups_per_step,
                                 cfg.staleness_threshold),
                 version=trainer.weight_version, partial_rollout=cfg.partial_rollout,
-                options=trainer.generation_options(), clock=self.clock)
+                options=trainer.generation_options(), clock=self.clock,
+                agent=getattr(trainer, "agent", None))
             self.producer = self.rollout.submit(self.rollouter.run())
         except BaseException:
             self.rollout.close()

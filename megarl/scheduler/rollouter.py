@@ -78,7 +78,8 @@ class Rollouter:
 
     def __init__(self, client: Any, jobs: Iterator[PromptJob], params: SamplingParams,
                  queue: SampleQueue, budget: StalenessBudget, *, version: int,
-                 partial_rollout: bool, options: dict[str, bool], clock: BusyClock) -> None:
+                 partial_rollout: bool, options: dict[str, bool], clock: BusyClock,
+                 agent: Any | None = None) -> None:
         self.client = client
         self.jobs = jobs
         self.params = params
@@ -91,6 +92,8 @@ class Rollouter:
         self.partial_rollout = partial_rollout
         self.options = options
         self.clock = clock
+        self.agent = agent
+        """The :class:`~megarl.rollout.agent.AgentLoop` of multi-turn episodes, or None."""
         self.counters = RolloutCounters()
         self._wake = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -153,10 +156,22 @@ class Rollouter:
         self.queue.put(SampleGroup(job.ordinal, job.prompt, list(samples)))
 
     async def _sample(self, job: PromptJob, j: int) -> RolloutSample:
-        """Sample j of a group; continued after every weight sync that paused it."""
+        """Sample j of a group (a multi-turn episode with an agent loop, each model turn
+        continued after a weight sync as a single-turn sample is)."""
         params = replace(self.params, n=1, seed=job.seed + j)
         key = tuple(job.prompt["input_ids"])
-        sample = await self._generate(job.prompt["input_ids"], params, key)
+        if self.agent is not None:
+            sample = await self.agent.episode(
+                lambda ids, p: self._turn(ids, p, key), job.prompt, params)
+        else:
+            sample = await self._turn(job.prompt["input_ids"], params, key)
+        return replace(sample, prompt_index=0, sample_index=j)
+
+    async def _turn(self, prompt_ids: list[int], params: SamplingParams,
+                    key: tuple[int, ...]) -> RolloutSample:
+        """One generation from ``prompt_ids``; continued after every weight sync that paused
+        it, its tokens keeping the version that generated each."""
+        sample = await self._generate(prompt_ids, params, key)
         while sample.finish_reason == "abort" and self.partial_rollout and not self._stopping:
             follow = continuation(sample, params)
             if follow is None:
@@ -169,7 +184,7 @@ class Rollouter:
                 sample = merge(sample, piece)
             else:
                 sample = piece  # aborted before its first token: an ordinary sample
-        return replace(sample, prompt_index=0, sample_index=j)
+        return sample
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams,
                         key: tuple[int, ...]) -> RolloutSample:

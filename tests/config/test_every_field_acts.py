@@ -93,7 +93,11 @@ class Run:
         trainer.loop.close()
         trainer.tokenizer = types.SimpleNamespace(eos_token_id=1)
         kl = trainer.kl_ctrl
-        return {"actor": actor_spec(cfg), "critic": critic_spec(cfg), "engine": engine,
+        agent = trainer_module.make_agent_loop(cfg, trainer.tokenizer)
+        return {"agent": None if agent is None else {
+                    "settings": agent.settings, "tools": agent.tools, "env": agent.env_factory,
+                    "max_tool_response_length": agent.max_tool_response_length},
+                "actor": actor_spec(cfg), "critic": critic_spec(cfg), "engine": engine,
                 "argv": engine_command(engine, rank=0, port=1, device="cuda"),
                 "sampling": trainer.sampling_params(), "sizes": sizes,
                 "estimate": estimate(cfg, info, sizes),
@@ -178,6 +182,8 @@ def reads(consumer: Any, *names: str) -> Row:
 
 
 GAE = "algorithm.adv_estimator=gae"
+MULTI_TURN = "rollout.multi_turn.enable=true"
+CALCULATOR = "rollout.multi_turn.tools=[megarl.rollout.agent:calculator]"
 KL_IN_REWARD = "algorithm.use_kl_in_reward=true"
 SEPARATE = ("rollout.colocate=false", "resources.rollout_pool.nnodes=1",
             "resources.rollout_pool.gpus_per_node=2")
@@ -302,6 +308,16 @@ FIELDS: dict[str, Row] = {
     "rollout.dtype": spec("float32", "argv"),
     "rollout.api_key": spec("secret", "argv"),
     "rollout.host": spec("127.0.0.2", "argv"),
+    "rollout.multi_turn.enable": spec("true", "agent", CALCULATOR),
+    "rollout.multi_turn.max_assistant_turns": spec(2, "agent", MULTI_TURN, CALCULATOR),
+    "rollout.multi_turn.max_user_turns": spec(2, "agent", MULTI_TURN, CALCULATOR),
+    "rollout.multi_turn.max_tokens_per_turn": spec(8, "agent", MULTI_TURN, CALCULATOR),
+    "rollout.multi_turn.format": reads(trainer_module.make_agent_loop),
+    "rollout.multi_turn.tools": spec("[megarl.rollout.agent:code_interpreter]", "agent",
+                                     MULTI_TURN),
+    "rollout.multi_turn.env": spec("megarl.rollout.agent:ToolEnvironment", "agent",
+                                   MULTI_TURN),
+    "rollout.multi_turn.max_tool_response_length": spec(8, "agent", MULTI_TURN, CALCULATOR),
     # checkpoint engine
     "checkpoint_engine.backend": spec("nccl", "weight_sync"),
     "checkpoint_engine.bucket_size_mb": reads(trainer_setup),

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.agent import AgentLoop, AgentSettings, StepResult
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.sglang.client import SGLangClient
@@ -78,7 +79,8 @@ def wait_until_running(url: str, timeout_s: float = 60.0) -> None:
 
 def generate_across_syncs(url: str, *, partial: bool, max_new_tokens: int, start: int,
                           syncs: list[tuple[Path, int]], delay_s: float, take: int,
-                          routes: bool = False) -> tuple[list[SampleGroup], RolloutCounters]:
+                          routes: bool = False, agent: AgentLoop | None = None,
+                          ) -> tuple[list[SampleGroup], RolloutCounters]:
     """Run the producer from weight version ``start``; ``delay_s`` after the engine starts
     decoding, swap its weights as a sync does (per entry of ``syncs``); return the first
     ``take`` finished groups."""
@@ -89,7 +91,7 @@ def generate_across_syncs(url: str, *, partial: bool, max_new_tokens: int, start
     rollouter = Rollouter(loop.client, jobs(), params, queue, StalenessBudget(3, 0.0),
                           version=start, partial_rollout=partial,
                           options={"return_logprob": True, "return_routed_experts": routes},
-                          clock=BusyClock())
+                          clock=BusyClock(), agent=agent)
     queue.on_space = lambda: loop.call_soon(rollouter.wake)
     try:
         loop.run(loop.client.update_weight_version(str(start)), 60)
@@ -198,3 +200,50 @@ def test_resumed_samples_keep_the_routes_their_tokens_were_generated_with(url, m
         # the continuation's prefill (the newest weights over every earlier token) differs
         assert not torch.equal(s.routed_experts, by_model[weights_of[versions[-1]]]), s.rid
     check_attribution(groups, weights_of, hf)
+
+
+class AlwaysAnswers:
+    """An environment that answers every model turn and never ends the episode."""
+
+    async def step(self, action: str) -> StepResult:
+        return StepResult("<tool_response>\n7\n</tool_response>")
+
+
+def test_multi_turn_episodes_resume_at_their_turn_with_per_token_versions(url, models, hf):
+    """fully_async with an agent loop: a sync pauses episodes inside a model turn; the turn is
+    continued under the new weights and the episode goes on. Every model token keeps the
+    version that sampled it (its log-prob is that model's over the whole episode, its route
+    row that model's router choice); environment tokens stay masked."""
+    from transformers import AutoTokenizer
+
+    loaded = httpx.post(url + "/update_weights_from_disk", timeout=120,
+                        json={"model_path": str(models["A"])})
+    assert loaded.json()["success"], loaded.text
+    agent = AgentLoop(AgentSettings(max_assistant_turns=3, max_tokens_per_turn=40,
+                                    max_response_length=400),
+                      AutoTokenizer.from_pretrained(models["A"]), env=lambda row: AlwaysAnswers())
+    groups, counters = generate_across_syncs(
+        url, partial=True, max_new_tokens=40, start=30, syncs=[(models["B"], 31)],
+        delay_s=0.1, take=3, routes=True, agent=agent)
+    weights_of = {30: "A", 31: "B"}
+    samples = [s for g in groups for s in g.samples]
+    assert counters.resumed > 0
+    switched = 0
+    for s in samples:
+        assert s.extra["agent"]["turns"] == 3 and s.extra["agent"]["budget_turns"] == 1
+        assert sum(s.response_mask) == 3 * 40  # every turn got all its tokens, EOS ignored
+        tokens = s.prompt_ids + s.response_ids
+        versions = token_versions(s)
+        model_at = [i for i, m in enumerate(s.response_mask) if m]
+        model_versions = [versions[i] for i in model_at]
+        assert model_versions == sorted(model_versions)
+        switched += len(set(model_versions)) > 1
+        by_model = {k: hf_routes(m, tokens[:-1]).to(torch.int16) for k, m in hf.items()}
+        diffs = {k: engine_vs_model(m, s.prompt_ids, s.response_ids, s.log_probs)
+                 for k, m in hf.items()}
+        p = len(s.prompt_ids)
+        for i in model_at:
+            mine = weights_of[versions[i]]
+            assert diffs[mine][i] < 1e-4, (s.rid, i)
+            assert torch.equal(s.routed_experts[p + i - 1], by_model[mine][p + i - 1]), (s.rid, i)
+    assert switched > 0

@@ -224,3 +224,46 @@ def test_colocated_engines_release_memory_while_training(assets, tmp_path):
         assert metrics["timing/release_rollout"] > 0
         assert metrics["rollout/weight_version"] == step
         assert metrics["training/rollout_probs_diff_mean"] < 1e-3  # generated with synced weights
+
+
+@pytest.mark.parametrize("mode", [
+    "colocate_sync",
+    pytest.param("one_step_off", marks=pytest.mark.slow),
+    pytest.param("fully_async", marks=pytest.mark.slow),
+])
+def test_multi_turn_episodes_train_with_r3(assets, tmp_path, mode):
+    """Multi-turn episodes (tests/trainer/agent_env.py: three model turns around two
+    observations) through the whole step with R3. The trainer's log-probs of the model tokens
+    (engine routes replayed over every turn) match the engine's, which they would not if an
+    environment token (engine log-prob 0) were inside the mask or a route row were shifted."""
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    trainer = make_trainer(assets, tmp_path / "agent", "trainer.total_steps=2",
+                           "data.train_batch_size=8", "rollout.n=4",
+                           "actor.ppo_mini_batch_size=8", f"scheduler.mode={mode}",
+                           "scheduler.trigger_parameter_sync_step=1",
+                           "rollout.multi_turn.enable=true",
+                           "rollout.multi_turn.env=agent_env:make_env",
+                           "rollout.multi_turn.max_tokens_per_turn=6",
+                           "data.max_response_length=80", "actor.router_replay.mode=R3",
+                           "trainer.val_every=2", "data.val_batch_size=16")
+    try:
+        trainer.setup()
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    assert len(history) == 2
+    # greedy validation runs episodes too; the environment's rewards count in its score
+    assert history[-1]["val/agent/num_turns/mean"] == 3
+    assert history[-1]["val/score/mean"] >= history[-1]["val/agent/env_reward/mean"]
+    for i, step in enumerate(history):
+        assert step["agent/num_turns/mean"] == 3 and step["agent/tool_calls/mean"] == 3
+        assert step["agent/budget_hit/tokens"] == 0 and step["agent/budget_hit/turns"] == 0
+        assert step["timing/env"] > 0 and 0 <= step["critic/score/mean"] <= 1
+        # env tokens masked, routes aligned over all turns: trainer == engine on model tokens
+        # (one_step_off trains step 2 on samples of the weights before step 1's update)
+        if mode == "colocate_sync" or i == 0:
+            assert step["training/rollout_probs_diff_max"] < 1e-3, step
+        assert step["rollout/moe/router_agreement"] == 1.0
+        assert step["actor/entropy"] > 0.5  # there are model tokens under the mask
+        # 3 turns of <= 6 tokens around two observations of ~20 tokens each
+        assert 40 < step["response_length/mean"] <= 80
