@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import random
 import re
@@ -48,6 +49,7 @@ from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -251,14 +253,39 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    cache: SaveCache | None = None,
 ) -> Path:
     """Save ``target`` (its optimizer and LR schedule too for a TrainableActor), the RNG states,
     ``step`` and ``extra`` under ``root``; collective over all ranks. ``extra`` must be picklable
     and the same on every rank (rank 0's is stored). Keeps the newest ``keep_last`` checkpoints
-    (all if None). Returns the published directory."""
-    pending = start_save(root, target, step, extra=extra, keep_last=keep_last)
+    (all if None). Successive saves of one model may share a ``cache``. Returns the published
+    directory."""
+    pending = start_save(root, target, step, extra=extra, keep_last=keep_last, cache=cache)
     pending.request.execute_sync()  # write, barrier, then every finalize (publication last)
     return pending.final
+
+
+class _FreshDirectoryFilter(logging.Filter):
+    """Drops megatron's "Overwriting old incomplete / corrupted checkpoint" warning: megarl saves
+    into a fresh temporary directory, which another rank may have begun to fill (with a cached
+    save plan no collective holds it back) before rank 0 looks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep every record but that warning."""
+        return "Overwriting old incomplete" not in record.getMessage()
+
+
+logging.getLogger(dist_checkpointing.serialization.__name__).addFilter(_FreshDirectoryFilter())
+
+
+class SaveCache:
+    """What successive saves of one model (same layout, same state structure) reuse: megatron's
+    torch_dist strategy with its cached save plan (``cached_metadata``: megatron checks the plan
+    is unchanged before it reuses it) and the sharding validated by the first save only."""
+
+    def __init__(self) -> None:
+        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+        self.validated = False
 
 
 @dataclass
@@ -279,6 +306,7 @@ def start_save(
     *,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    cache: SaveCache | None = None,
 ) -> PendingSave:
     """The collective first half of :func:`save_checkpoint`: a temporary directory, rank 0's
     common state written, the dist checkpoint planned; the tensors are staged to host memory
@@ -302,7 +330,11 @@ def start_save(
     state["megarl"] = {"step": step, "extra": dict(extra or {})}
     if actor is not None:
         state["megarl"]["scheduler"] = actor.scheduler.state_dict()
-    request = dist_checkpointing.save(state, str(tmp), async_sharded_save=True)
+    request = dist_checkpointing.save(
+        state, str(tmp), sharded_strategy=None if cache is None else cache.strategy,
+        validate_access_integrity=cache is None or not cache.validated, async_sharded_save=True)
+    if cache is not None:
+        cache.validated = True
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,

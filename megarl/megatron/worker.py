@@ -22,6 +22,7 @@ from megatron.core import parallel_state as mpu
 from megarl.cluster.worker import Worker
 from megarl.megatron.checkpoint import (
     BackgroundSaves,
+    SaveCache,
     load_checkpoint,
     load_model_weights,
     save_checkpoint,
@@ -86,6 +87,7 @@ class ActorWorker(Worker):
         self.ref_offloader = StateOffloader(self.ref.chunks if self.ref is not None else [])
         self.memory_peaks: dict[str, tuple[float, float]] = {}
         self.background_saves = BackgroundSaves()
+        self.save_cache = SaveCache()
         if spec.ref_param_offload:
             self.ref_offloader.offload(["param"])
 
@@ -252,8 +254,9 @@ class ActorWorker(Worker):
         with self._resident():
             if not background:
                 return str(save_checkpoint(root, self.actor, step, extra=extra,
-                                           keep_last=keep_last))
-            pending = start_save(root, self.actor, step, extra=extra, keep_last=keep_last)
+                                           keep_last=keep_last, cache=self.save_cache))
+            pending = start_save(root, self.actor, step, extra=extra, keep_last=keep_last,
+                                 cache=self.save_cache)
             self.background_saves.submit(pending)
         return str(pending.final)
 
