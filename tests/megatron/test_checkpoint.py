@@ -365,7 +365,7 @@ def test_kill_during_background_write(pool1, tiny_models, tmp_path):
     assert len(writers) == 1 and writers[0].is_running()
     os.kill(proc.pid, signal.SIGKILL)
     proc.join()
-    gone, alive = psutil.wait_procs(writers, timeout=10)
+    _, alive = psutil.wait_procs(writers, timeout=10)
     for leftover in alive + [psutil.Process(int(pid)) for pid in helper_line.split()]:
         with contextlib.suppress(psutil.NoSuchProcess):  # megatron's manager does not die
             leftover.kill()
