@@ -269,6 +269,7 @@ class ActorWorker(Worker):
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor from a checkpoint (a directory or a root's latest); collective.
         The reference model keeps its initial weights. Returns the step and ``extra``."""
+        self.background_saves.finish()
         with self._resident():
             loaded = load_checkpoint(path, self.actor)
         return {"path": str(loaded.path), "step": loaded.step, "extra": loaded.extra,
