@@ -66,7 +66,12 @@ from megarl.rollout.agent import AgentLoop, AgentSettings, agent_metrics
 from megarl.rollout.interface import RolloutSample, SamplingParams
 from megarl.scheduler import build_scheduler
 from megarl.scheduler.dynamic_sampling import fill_with_varied_groups
-from megarl.trainer_checkpoint import resume_run, save_due, save_run_checkpoint
+from megarl.trainer_checkpoint import (
+    publish_checkpoint,
+    resume_run,
+    save_due,
+    save_run_checkpoint,
+)
 from megarl.trainer_critic import (
     CriticTargets,
     compute_values,
@@ -181,6 +186,7 @@ class Trainer:
         history = []
         val_every, total = self.cfg.trainer.val_every, self.cfg.trainer.total_steps
         scheduler = self.scheduler = build_scheduler(self, self.cfg.scheduler)
+        saving_s = 0.0  # the last save's time, logged with the next step (saved after logging)
         try:
             for step in range(self.steps_done + 1, total + 1):
                 set_step(step)
@@ -191,11 +197,15 @@ class Trainer:
                 for line in self.health.check(metrics, step):
                     self.tracker.warn(line)
                 metrics.update(self.health.metrics())
+                if saving_s or "timing/save_blocking" in metrics:
+                    metrics["timing/save_blocking"] = metrics.get("timing/save_blocking",
+                                                                  0.0) + saving_s
                 self.tracker.log(metrics, step)
                 history.append(metrics)
-                if save_due(self):
-                    save_run_checkpoint(self)
+                saving_s = save_run_checkpoint(self)["timing/save_blocking"] if save_due(
+                    self) else 0.0
             scheduler.finish()
+            publish_checkpoint(self)  # a background save still being written
         finally:
             scheduler.close()
         self.finish()
@@ -281,7 +291,9 @@ class Trainer:
     def train_on(self, batch: StepBatch, metrics: dict[str, float]) -> None:
         """Steps 3-6 on generated samples: rewards (unless already scored), old (and reference)
         log-probs, advantages, the actor update; their metrics go into ``metrics``. Every
-        scheduler trains through this one method."""
+        scheduler trains through this one method. A background checkpoint of the previous
+        step is published first (``trainer.async_save``: written while this step generated)."""
+        metrics.update(publish_checkpoint(self))
         if batch.scores is None:
             with timer("reward", metrics):
                 metrics.update(self.score(batch))

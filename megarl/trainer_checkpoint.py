@@ -3,8 +3,11 @@
 A checkpoint is one directory ``<trainer.output_dir>/checkpoints/step_XXXXXXXX`` written by the
 actor ranks together (:func:`megarl.megatron.checkpoint.save_checkpoint`: model, optimizer,
 LR schedule, RNG states of every rank; written under a temporary name and published by a rename,
-with the ``latest`` pointer updated last, older ones rotated by ``trainer.keep_last``). The
-critic (with gae) is saved the same way under ``checkpoints/critic/``, before the actor. The
+with the ``latest`` pointer updated last, older ones rotated by ``trainer.keep_last``). With
+``trainer.async_save`` the actor's files are written in the background while the next step
+generates; :func:`publish_checkpoint` publishes them at the start of that step's training (a
+crash before that resumes from the checkpoint before). The critic (with gae) is saved the same
+way under ``checkpoints/critic/``, before the actor, always at once. The
 trainer's own state rides along in it: the prompt loader's position, the step, the engines'
 ``weight_version``, the health monitor's history, the in-reward KL coefficient (the adaptive
 controller's beta) and the resolved config.
@@ -21,6 +24,7 @@ per-prompt sampling seeds) the resumed run's per-step metrics equal an uninterru
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,9 +50,13 @@ def save_due(trainer: Trainer) -> bool:
     return step == cfg.total_steps and (cfg.save_every > 0 or cfg.resume != "never")
 
 
-def save_run_checkpoint(trainer: Trainer) -> str:
-    """Save the actor and the trainer's state after ``trainer.steps_done`` steps; returns the
-    published directory."""
+def save_run_checkpoint(trainer: Trainer) -> dict[str, float]:
+    """Save the actor and the trainer's state after ``trainer.steps_done`` steps (after
+    publishing a background save still pending); returns ``timing/save_blocking``, the seconds
+    the loop was held up. With ``trainer.async_save`` the actor's files are still being written
+    when this returns: :func:`publish_checkpoint` publishes them."""
+    start = time.perf_counter()
+    publish_checkpoint(trainer)
     state = trainer.scheduler.checkpoint_state()
     extra: dict[str, Any] = {
         "loader": state["loader"],
@@ -60,15 +68,29 @@ def save_run_checkpoint(trainer: Trainer) -> str:
         "config": render_config(trainer.cfg, trainer.sources),
     }
     step, keep_last = trainer.steps_done, trainer.cfg.trainer.keep_last
+    background = trainer.cfg.trainer.async_save
     root = checkpoint_root(trainer)
     critic = trainer.workers.critic
     if critic is not None:
         # the critic first: the actor's checkpoint (and its `latest`) marks the step complete
         critic.group.execute_all("save_checkpoint", str(root / "critic"), step, {}, keep_last)
     pending = trainer.workers.actor.execute_all_async("save_checkpoint", str(root), step, extra,
-                                                      keep_last)
+                                                      keep_last, background)
     crash_point("save", step)
-    return pending.get(phase="save")[0]
+    pending.get(phase="save")
+    return {"timing/save_blocking": time.perf_counter() - start}
+
+
+def publish_checkpoint(trainer: Trainer) -> dict[str, float]:
+    """Wait for the actor's background save, if one is pending, and publish it (``latest``
+    moves to it); returns the seconds waited as ``timing/save_blocking`` (empty when nothing
+    was pending). The trainer calls it at the start of each step's training and at the end of
+    the run, so where ``latest`` stands after a crash depends on the step's phase only."""
+    if not trainer.cfg.trainer.async_save:
+        return {}
+    start = time.perf_counter()
+    published = trainer.workers.actor.execute_all("finish_checkpoint")[0]
+    return {} if published is None else {"timing/save_blocking": time.perf_counter() - start}
 
 
 def resume_path(trainer: Trainer) -> str | None:

@@ -335,6 +335,13 @@ class TrainerConfig(Section):
         "= start over; or a checkpoint directory"))
     keep_last: int | None = Field(None, ge=1, description=(
         "checkpoints kept on disk; null = all"))
+    async_save: bool = Field(False, description=(
+        "write the actor's checkpoints in the background: the step waits only while the state "
+        "is staged in host memory, a forked process per rank writes the files, and the "
+        "checkpoint is published (renamed, `latest` moved) at the start of the next step's "
+        "training, or at the end of the run; until then `latest` names the previous one. "
+        "false = write and publish before the next step starts. The critic's are always "
+        "written at once"))
     loggers: list[Literal["console", "jsonl", "tensorboard", "wandb"]] = Field(
         default_factory=lambda: ["console", "jsonl"], description="metric trackers")
     project_name: str = Field("megarl", description="tracker project name")

@@ -13,6 +13,13 @@ Saving writes into ``<root>/step_00000012.tmp-<id>``; once every rank has writte
 leaves ``latest`` on the previous complete checkpoint; the stale temporary directory is removed
 by the next save. Every rank must see the same file system path (one writer per root).
 
+A save can also run in the background (:class:`BackgroundSaves`, ``trainer.async_save``;
+PITFALLS M2): :func:`start_save` plans the checkpoint and stages every tensor in host memory
+(collective), megatron-core's :class:`AsyncCallsQueue` writes each rank's files from a forked
+process (a snapshot of the staged state; the trainer's process holds no lock while it writes,
+and the writer dies with it), and :meth:`BackgroundSaves.finish` (collective) waits for the
+writes and publishes exactly as above. Until then ``latest`` names the previous checkpoint.
+
 Tensors are saved as global tensors (``sharded_state_dict``: TP/PP/EP shards with their
 offsets), so a checkpoint loads under another TP/PP/EP/DP layout; the optimizer state uses the
 distributed optimizer's ``fully_reshardable`` format (per parameter, in model space). RNG
@@ -21,12 +28,16 @@ states are per rank and restored only under the same layout and world size.
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,10 +48,14 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+from megarl.children import die_with_parent
+from megarl.faults import checkpoint_write_delay
 from megarl.megatron import cpu_compat
 from megarl.megatron.model import ActorModel, load_hf_config
 from megarl.megatron.optimizer import TrainableActor
@@ -238,11 +253,65 @@ def save_checkpoint(
     *,
     extra: dict[str, Any] | None = None,
     keep_last: int | None = None,
+    cache: SaveCache | None = None,
 ) -> Path:
     """Save ``target`` (its optimizer and LR schedule too for a TrainableActor), the RNG states,
     ``step`` and ``extra`` under ``root``; collective over all ranks. ``extra`` must be picklable
     and the same on every rank (rank 0's is stored). Keeps the newest ``keep_last`` checkpoints
-    (all if None). Returns the published directory."""
+    (all if None). Successive saves of one model may share a ``cache``. Returns the published
+    directory."""
+    pending = start_save(root, target, step, extra=extra, keep_last=keep_last, cache=cache)
+    pending.request.execute_sync()  # write, barrier, then every finalize (publication last)
+    return pending.final
+
+
+class _FreshDirectoryFilter(logging.Filter):
+    """Drops megatron's "Overwriting old incomplete / corrupted checkpoint" warning: megarl saves
+    into a fresh temporary directory, which another rank may have begun to fill (with a cached
+    save plan no collective holds it back) before rank 0 looks."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Keep every record but that warning."""
+        return "Overwriting old incomplete" not in record.getMessage()
+
+
+logging.getLogger(dist_checkpointing.serialization.__name__).addFilter(_FreshDirectoryFilter())
+
+
+class SaveCache:
+    """What successive saves of one model (same layout, same state structure) reuse: megatron's
+    torch_dist strategy with its cached save plan (``cached_metadata``: megatron checks the plan
+    is unchanged before it reuses it) and the sharding validated by the first save only."""
+
+    def __init__(self) -> None:
+        self.strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+        self.validated = False
+
+
+@dataclass
+class PendingSave:
+    """A checkpoint planned and staged by :func:`start_save`, not yet written."""
+
+    final: Path
+    """The directory it is published as."""
+    request: AsyncRequest
+    """megatron-core's request: the write (``async_fn``) and the collective finalize functions,
+    whose last one publishes the checkpoint."""
+
+
+def start_save(
+    root: str | Path,
+    target: ActorModel | TrainableActor,
+    step: int,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep_last: int | None = None,
+    cache: SaveCache | None = None,
+) -> PendingSave:
+    """The collective first half of :func:`save_checkpoint`: a temporary directory, rank 0's
+    common state written, the dist checkpoint planned; the tensors are staged to host memory
+    when the request is executed or scheduled. Nothing is published before the request's
+    finalize functions run."""
     cpu_compat.enable()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: keep at least 1 checkpoint, or None for all")
@@ -261,7 +330,11 @@ def save_checkpoint(
     state["megarl"] = {"step": step, "extra": dict(extra or {})}
     if actor is not None:
         state["megarl"]["scheduler"] = actor.scheduler.state_dict()
-    dist_checkpointing.save(state, str(tmp))
+    request = dist_checkpointing.save(
+        state, str(tmp), sharded_strategy=None if cache is None else cache.strategy,
+        validate_access_integrity=cache is None or not cache.validated, async_sharded_save=True)
+    if cache is not None:
+        cache.validated = True
     manifest = {
         "format_version": FORMAT_VERSION,
         "step": step,
@@ -269,15 +342,65 @@ def save_checkpoint(
         "layout": current_layout(),
         "has_optimizer": with_optimizer,
     }
+    request.add_finalize_fn(functools.partial(_finalize_publication, tmp, final, manifest,
+                                              keep_last))
+    return PendingSave(final, request)
+
+
+def _finalize_publication(tmp: Path, final: Path, manifest: dict[str, Any],
+                          keep_last: int | None) -> None:
+    """Collective, once every rank's files and the dist checkpoint's metadata are written:
+    rank 0 writes megarl.json, renames the directory, moves ``latest``, rotates."""
     dist.barrier()
     if dist.get_rank() == 0:
         _write_file_atomically(tmp / MANIFEST, json.dumps(manifest, indent=2))
         _publish(tmp, final)
-        _write_file_atomically(root / LATEST, final.name)
+        _write_file_atomically(final.parent / LATEST, final.name)
         if keep_last is not None:
-            _rotate(root, keep_last, keep=final)
+            _rotate(final.parent, keep_last, keep=final)
     dist.barrier()
-    return final
+
+
+def _write_in_child(parent_pid: int, delay_s: float, write: Callable[..., None],
+                    *args: Any, **kwargs: Any) -> None:
+    """The body of a background writer process (forked from a rank): die with the rank, and
+    have the processes megatron forks for each file die with this one; wait ``delay_s`` (the
+    tests' slow file system, ``MEGARL_CKPT_WRITE_DELAY_S``), then write."""
+    die_with_parent(parent_pid)
+    os.register_at_fork(after_in_child=die_with_parent)
+    if delay_s > 0:
+        time.sleep(delay_s)
+    write(*args, **kwargs)
+
+
+class BackgroundSaves:
+    """Checkpoints of one model written in the background, one at a time, published in order.
+
+    :meth:`submit` (collective) stages a :class:`PendingSave`'s tensors in host memory and
+    forks the process that writes this rank's files (megatron-core's ``AsyncCallsQueue``);
+    training may change the weights at once. :meth:`finish` (collective) waits for every
+    rank's writer, completes the dist checkpoint's metadata and publishes it."""
+
+    def __init__(self) -> None:
+        self.queue = AsyncCallsQueue(persistent=False)
+        self.pending: Path | None = None
+
+    def submit(self, pending: PendingSave) -> None:
+        """Start writing ``pending`` (after publishing the previous save); collective."""
+        self.finish()
+        request = pending.request
+        if request.async_fn is not None:
+            request = request._replace(async_fn=functools.partial(
+                _write_in_child, os.getpid(), checkpoint_write_delay(), request.async_fn))
+        self.queue.schedule_async_request(request)
+        self.pending = pending.final
+
+    def finish(self) -> Path | None:
+        """Wait for the pending save's writes and publish it (collective); its directory, or
+        None when none was pending. A failed write raises here, on every rank."""
+        pending, self.pending = self.pending, None
+        self.queue.maybe_finalize_async_calls(blocking=True)
+        return pending
 
 
 def _publish(tmp: Path, final: Path) -> None:

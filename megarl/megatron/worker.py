@@ -20,7 +20,14 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
 from megarl.cluster.worker import Worker
-from megarl.megatron.checkpoint import load_checkpoint, load_model_weights, save_checkpoint
+from megarl.megatron.checkpoint import (
+    BackgroundSaves,
+    SaveCache,
+    load_checkpoint,
+    load_model_weights,
+    save_checkpoint,
+    start_save,
+)
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.logprobs import compute_log_probs
 from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
@@ -79,6 +86,8 @@ class ActorWorker(Worker):
         self.offloader = StateOffloader(self.actor.model.chunks, self.actor.optimizer)
         self.ref_offloader = StateOffloader(self.ref.chunks if self.ref is not None else [])
         self.memory_peaks: dict[str, tuple[float, float]] = {}
+        self.background_saves = BackgroundSaves()
+        self.save_cache = SaveCache()
         if spec.ref_param_offload:
             self.ref_offloader.offload(["param"])
 
@@ -235,16 +244,32 @@ class ActorWorker(Worker):
         return result
 
     def save_checkpoint(self, root: str, step: int, extra: dict[str, Any],
-                        keep_last: int | None) -> str:
+                        keep_last: int | None, background: bool = False) -> str:
         """Save model, optimizer, LR schedule and RNG states of every rank at ``step`` under
-        ``root`` (atomic, ``latest`` updated last); collective. Returns the directory."""
+        ``root`` (atomic, ``latest`` updated last); collective. Returns the directory. With
+        ``background`` it returns once the state is staged in host memory; the files are
+        written by a forked process and :meth:`finish_checkpoint` publishes them (a pending
+        save is published first)."""
+        self.background_saves.finish()
         with self._resident():
-            return str(save_checkpoint(root, self.actor, step, extra=extra,
-                                       keep_last=keep_last))
+            if not background:
+                return str(save_checkpoint(root, self.actor, step, extra=extra,
+                                           keep_last=keep_last, cache=self.save_cache))
+            pending = start_save(root, self.actor, step, extra=extra, keep_last=keep_last,
+                                 cache=self.save_cache)
+            self.background_saves.submit(pending)
+        return str(pending.final)
+
+    def finish_checkpoint(self) -> str | None:
+        """Wait for a background save's files and publish it (collective); its directory, or
+        None when none was pending."""
+        path = self.background_saves.finish()
+        return None if path is None else str(path)
 
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor from a checkpoint (a directory or a root's latest); collective.
         The reference model keeps its initial weights. Returns the step and ``extra``."""
+        self.background_saves.finish()
         with self._resident():
             loaded = load_checkpoint(path, self.actor)
         return {"path": str(loaded.path), "step": loaded.step, "extra": loaded.extra,

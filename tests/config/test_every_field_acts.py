@@ -368,6 +368,7 @@ FIELDS: dict[str, Row] = {
     "trainer.save_every": spec(10, "save_due"),
     "trainer.resume": spec("never", "save_due"),
     "trainer.keep_last": reads(trainer_checkpoint),
+    "trainer.async_save": reads(trainer_checkpoint),
     "trainer.loggers": reads(Trainer.setup),
     "trainer.project_name": reads(Trainer.setup),
     "trainer.experiment_name": reads(Trainer.setup),

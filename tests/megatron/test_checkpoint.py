@@ -250,3 +250,141 @@ def test_other_model_is_rejected(pool1, tiny_models, tmp_path):
     )[0]
     assert "different model" in message
     assert "num_hidden_layers: checkpoint 2, model 4" in message
+
+
+WRITE_DELAY_S = 3.0
+
+
+def background_resume_on_rank(model_dir, sizes, root, delay_s: float):
+    """Run on each rank: step 1, a background save of it whose writers are held back
+    ``delay_s`` (a slow file system), step 2 while it is written (changing the weights and
+    Adam state in place), then publish. Returns what resume_on_rank returns, and what the test
+    checks about the timing and ``latest`` meanwhile."""
+    import os
+    import time
+
+    from megarl.faults import WRITE_DELAY_ENV
+    from megarl.megatron.checkpoint import BackgroundSaves, latest_checkpoint, start_save
+
+    actor = build(model_dir, sizes)
+    train(actor, seed=0)
+    saves = BackgroundSaves()
+    os.environ[WRITE_DELAY_ENV] = str(delay_s)
+    with child_processes_allowed():
+        try:
+            start = time.monotonic()
+            saves.submit(start_save(root, actor, 1,
+                                    extra={"loader": {"epoch": 0, "index": 8}}))
+            blocked_s = time.monotonic() - start
+        finally:
+            del os.environ[WRITE_DELAY_ENV]
+        draws = torch.rand(4)
+        metrics = train(actor, seed=1)
+        during = latest_checkpoint(root)
+        published = saves.finish()
+    total_s = time.monotonic() - start
+    timing = {"blocked_s": blocked_s, "total_s": total_s, "latest_during": during,
+              "published": published, "latest_after": latest_checkpoint(root)}
+    return weights(actor.model), metrics, draws, timing
+
+
+def test_background_save_is_the_state_at_save_time(pool2, tiny_models, tmp_path):
+    """EP=2 x DP=2 with the distributed Adam: a background save returns before its (held back)
+    write, training goes on and changes the weights meanwhile, and the published checkpoint
+    holds the state at save time: resuming from it gives exactly the step the saving run took
+    next (weights, metrics, RNG draws)."""
+    path, sizes = tiny_models["qwen3_moe"], ParallelSizes(ep=2)
+    continued = pool2.run(background_resume_on_rank, path, sizes, tmp_path, WRITE_DELAY_S)
+    resumed = pool2.run(resume_on_rank, path, sizes, tmp_path, True, True)
+    for (w_a, m_a, r_a, timing), (w_b, m_b, r_b, loaded) in zip(continued, resumed):
+        print(f"\nbackground save: step blocked {timing['blocked_s']:.2f} s; written and "
+              f"published after {timing['total_s']:.2f} s (writers held back {WRITE_DELAY_S} s)")
+        assert timing["blocked_s"] < WRITE_DELAY_S / 2 <= WRITE_DELAY_S <= timing["total_s"]
+        assert timing["latest_during"] is None  # nothing published while it was written
+        assert timing["published"] == timing["latest_after"] == tmp_path / "step_00000001"
+        assert loaded.step == 1 and loaded.extra == {"loader": {"epoch": 0, "index": 8}}
+        assert loaded.optimizer_restored and loaded.rng_restored
+        assert torch.equal(r_a, r_b), "RNG state not restored"
+        assert m_a == m_b
+        for name in w_a:
+            assert torch.equal(w_b[name], w_a[name]), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+
+
+def killed_during_background_write(model_dir, root, port, ready):
+    """A process of its own (one gloo rank): save step 1, start a background save of step 2
+    whose writer waits two minutes, write the writer's pid to ``ready``, wait to be killed."""
+    import os
+    import time
+
+    import psutil
+    import torch.distributed as dist
+
+    from megarl.faults import WRITE_DELAY_ENV
+    from megarl.megatron import checkpoint
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+                      WORLD_SIZE="1", LOCAL_RANK="0", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    model = build(model_dir, ParallelSizes(), adam=False)
+    checkpoint.save_checkpoint(root, model, 1)
+    helpers = {p.pid for p in psutil.Process().children()}  # megatron's results queue manager
+    os.environ[WRITE_DELAY_ENV] = "120"
+    saves = checkpoint.BackgroundSaves()
+    saves.submit(checkpoint.start_save(root, model, 2))
+    writers = [p.pid for p in psutil.Process().children() if p.pid not in helpers]
+    ready.write_text(" ".join(map(str, writers)) + "\n" + " ".join(map(str, helpers)))
+    time.sleep(300)
+
+
+@pytest.mark.slow  # a fresh process imports megatron-core: ~2 min on 2 loaded cores
+def test_kill_during_background_write(pool1, tiny_models, tmp_path):
+    """SIGKILL a rank while its background writer is held back: ``latest`` still names the
+    previous checkpoint, the writer dies with the rank, and the next save clears the leftover
+    temporary directory. (The trainer-level crash mid-save is in tests/trainer/test_resume.py.)
+    """
+    import os
+    import signal
+    import time
+
+    import psutil
+    from dist_utils import free_port
+
+    root, ready = tmp_path / "ckpt", tmp_path / "ready"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=killed_during_background_write,
+        args=(tiny_models["qwen3"], root, free_port(), ready))
+    proc.start()
+    deadline = time.monotonic() + 120
+    while not ready.exists() and proc.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ready.exists(), "the saving process did not get to its background write"
+    writer_line, helper_line = ready.read_text().split("\n")
+    writers = [psutil.Process(int(pid)) for pid in writer_line.split()]
+    assert len(writers) == 1 and writers[0].is_running()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join()
+    _, alive = psutil.wait_procs(writers, timeout=10)
+    for leftover in alive + [psutil.Process(int(pid)) for pid in helper_line.split()]:
+        with contextlib.suppress(psutil.NoSuchProcess):  # megatron's manager does not die
+            leftover.kill()
+    assert not alive, "the background writer outlived its rank"
+    names = sorted(p.name for p in root.iterdir())
+    assert (root / "latest").read_text() == "step_00000001"
+    assert "step_00000002" not in names
+    assert any(n.startswith("step_00000002.tmp-") for n in names)
+    step, after = pool1.run(load_then_save, tiny_models["qwen3"], root)[0]
+    assert step == 1 and after == ["latest", "step_00000001", "step_00000003"]
+
+
+def load_then_save(model_dir, root):
+    """Run on one rank: resume from the latest checkpoint, then save step 3 (which removes
+    what the interrupted save left)."""
+    from megarl.megatron import checkpoint
+
+    model = build(model_dir, ParallelSizes(), adam=False)
+    loaded = checkpoint.load_checkpoint(root, model)
+    with child_processes_allowed():
+        checkpoint.save_checkpoint(root, model, 3)
+    return loaded.step, sorted(p.name for p in root.iterdir())
