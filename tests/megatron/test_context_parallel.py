@@ -1,0 +1,87 @@
+"""Context parallelism on real gloo ranks: cp=2 equals cp=1 (log-probs, entropy, one update).
+
+Sequences have odd lengths, so every one is padded to a multiple of 2 x cp and cut into chunks
+that the two CP ranks hold out of order (chunks 0 and 3 on rank 0, 1 and 2 on rank 1). The cp=1
+results come from the same pool laid out as dp=2 with every rank scoring every sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from test_update import assert_same_update, make_batch, reference_step, update_on_rank
+
+from megarl.megatron.packing import (
+    context_parallel_positions,
+    pack_sequences,
+    split_for_context_parallel,
+)
+from megarl.megatron.parallel import ParallelSizes
+
+LENGTHS = (9, 13, 5, 11, 7)
+TOLERANCE = 1e-5
+
+
+def test_split_follows_megatron_chunk_order():
+    """Rank r holds chunks r and 2cp-1-r of every padded sequence, positions included, and the
+    gather index puts the ranks' tokens back in row order."""
+    seqs = [torch.arange(100, 100 + n) for n in (5, 9)]  # padded to 8 and 12 for cp=2
+    packed = pack_sequences(seqs, align=4)
+    assert packed.cu_seqlens_padded.tolist() == [0, 8, 20]
+    assert context_parallel_positions([0, 8, 20], 2, 0).tolist() == [0, 1, 6, 7, 8, 9, 10, 17,
+                                                                      18, 19]
+    parts = [split_for_context_parallel(packed, 2, r) for r in range(2)]
+    assert parts[1].input_ids[0].tolist() == [102, 103, 104, 0, 103, 104, 105, 106, 107, 108]
+    assert parts[1].position_ids[0].tolist() == [2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
+    gathered = torch.cat([p.input_ids[0] for p in parts])
+    assert torch.equal(gathered[parts[0].cp_gather_index], packed.input_ids[0])
+
+
+def sequences(vocab: int = 128) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, vocab, (n,), generator=g) for n in LENGTHS]
+
+
+def score_on_rank(model_dir: str, sizes: ParallelSizes, budget: int | None):
+    """Log-probs and entropies of every sequence on this rank."""
+    from megarl.megatron.logprobs import compute_log_probs
+    from megarl.megatron.model import build_actor_model
+
+    model = build_actor_model(model_dir, sizes, torch.float32, spec="native")
+    out = compute_log_probs(model, sequences(), temperature=0.9, with_entropy=True,
+                            max_tokens_per_micro_batch=budget)
+    return [t.clone() for t in out.log_probs], [t.clone() for t in out.entropy]
+
+
+def assert_close_results(results, expected) -> None:
+    for rank, (log_probs, entropies) in enumerate(results):
+        for i, n in enumerate(LENGTHS):
+            assert log_probs[i].shape == (n,)
+            torch.testing.assert_close(log_probs[i], expected[0][i], atol=TOLERANCE, rtol=0,
+                                       msg=f"rank {rank} seq {i} log-probs")
+            torch.testing.assert_close(entropies[i], expected[1][i], atol=TOLERANCE, rtol=0,
+                                       msg=f"rank {rank} seq {i} entropy")
+
+
+def test_cp2_log_probs_equal_cp1(pool2, tiny_models):
+    """Dense and MoE models, one micro-batch and several (token budget 24)."""
+    for name, budget in (("qwen3", None), ("qwen3_moe", 24)):
+        cp1 = pool2.run(score_on_rank, tiny_models[name], ParallelSizes(), budget)[0]
+        cp2 = pool2.run(score_on_rank, tiny_models[name], ParallelSizes(cp=2), budget)
+        assert_close_results(cp2, cp1)
+        # the values are real log-probs, not a constant both layouts would share
+        assert min(lp[1:].min().item() for lp in cp1[0]) < -1.0
+
+
+def test_cp2_update_step_equals_cp1(pool2, tiny_models):
+    """One SGD step (PPO clip + entropy + KL loss, two micro-batches) under cp=2 moves the
+    weights exactly as cp=1 does, and as the HF reference step does."""
+    model_dir = tiny_models["qwen3"]
+    batch = make_batch(model_dir)
+    cp1 = pool2.run(update_on_rank, model_dir, ParallelSizes(), batch, budget=20)
+    cp2 = pool2.run(update_on_rank, model_dir, ParallelSizes(cp=2), batch, budget=20)
+    weights1, weights2 = cp1[0][1], cp2[0][1]
+    for name, w in weights1.items():
+        torch.testing.assert_close(weights2[name], w, atol=TOLERANCE, rtol=0, msg=name)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/grad_norm"):
+        assert abs(cp2[0][0][key] - cp1[0][0][key]) <= 1e-5 * max(1.0, abs(cp1[0][0][key])), key
+    assert_same_update(cp2, reference_step(model_dir, batch, "sgd", 0.0))
