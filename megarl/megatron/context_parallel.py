@@ -38,6 +38,17 @@ def gather_context_parallel(values: torch.Tensor, batch: PackedBatch) -> torch.T
     return gathered.index_select(0, batch.cp_gather_index)
 
 
+def rows_of_this_rank(rows: torch.Tensor, batch: PackedBatch) -> torch.Tensor:
+    """The rows of this CP rank's tokens, in its order, from ``[T, ...]`` rows of the whole
+    packed row (the inverse of :func:`gather_context_parallel`); the identity without CP."""
+    if batch.cp_gather_index is None:
+        return rows
+    local = batch.num_tokens
+    start = mpu.get_context_parallel_rank() * local
+    positions = torch.argsort(batch.cp_gather_index)[start : start + local]
+    return rows.index_select(0, positions.to(rows.device))
+
+
 class _Layout:
     """Per packed row: this rank's positions and the gathered rows' order, cached for the layers
     of one micro-batch (keyed by the offsets tensor, which is held so its id stays unique)."""

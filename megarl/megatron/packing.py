@@ -41,6 +41,13 @@ class PackedBatch:
         """Length T of this rank's packed row, padding included (the whole row / cp)."""
         return self.input_ids.shape[1]
 
+    @property
+    def row_tokens(self) -> int:
+        """Length of the whole packed row: ``num_tokens`` times cp under context parallelism."""
+        if self.cp_gather_index is None:
+            return self.num_tokens
+        return self.cp_gather_index.numel()
+
     def packed_seq_params(self) -> PackedSeqParams:
         """megatron's THD descriptor for this batch."""
         padded = self.cu_seqlens_padded
