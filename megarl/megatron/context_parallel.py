@@ -18,6 +18,8 @@ balanced); :func:`megarl.megatron.packing.split_for_context_parallel` makes a ra
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
@@ -97,7 +99,7 @@ def context_parallel_attention(
     )
     outs = []
     local = 0
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         n_local = (end - start) // cp_size
         positions = mine[local : local + n_local] - start  # positions of the rank's queries
         # keys any of them can see: up to the end of its later chunk, 2cp-1-r

@@ -22,8 +22,8 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.megatron import cpu_compat
-from megarl.megatron.model import ActorModel
 from megarl.megatron.context_parallel import gather_context_parallel
+from megarl.megatron.model import ActorModel
 from megarl.megatron.packing import (
     PackedBatch,
     pack_sequences,

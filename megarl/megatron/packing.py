@@ -8,6 +8,7 @@ padding is causal-invisible to the real tokens and its outputs are dropped when 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -128,7 +129,7 @@ def context_parallel_positions(
     is cut into ``2 * cp_size`` equal chunks and the rank takes chunks ``cp_rank`` and
     ``2 * cp_size - 1 - cp_rank`` (megatron-core's load-balanced causal split)."""
     parts = []
-    for start, end in zip(cu_seqlens_padded[:-1], cu_seqlens_padded[1:]):
+    for start, end in itertools.pairwise(cu_seqlens_padded):
         chunk, rest = divmod(end - start, 2 * cp_size)
         if rest:
             raise ValueError(
