@@ -68,12 +68,23 @@ class _Layout:
             by_rank = torch.cat(
                 [context_parallel_positions(bounds, cp_size, r) for r in range(cp_size)]
             )
+            starts = torch.repeat_interleave(
+                torch.tensor(bounds[:-1]), torch.tensor(bounds).diff() // cp_size
+            )
             self._key = key
-            self._value = (cu_padded, bounds, mine.to(device), torch.argsort(by_rank).to(device))
+            self._value = (cu_padded, bounds, mine.to(device), torch.argsort(by_rank).to(device),
+                           (mine - starts).to(device))
         return self._value[1:]
 
 
 _LAYOUT = _Layout()
+
+
+def sequence_positions(cu_seqlens_padded: torch.Tensor, group=None) -> torch.Tensor:
+    """``[T/cp]`` position inside its sequence of each of this CP rank's tokens (what RoPE
+    rotates by), from the whole packed row's offsets."""
+    group = mpu.get_context_parallel_group() if group is None else group
+    return _LAYOUT.get(cu_seqlens_padded, group.size(), group.rank())[3]
 
 
 def context_parallel_attention(
@@ -91,7 +102,7 @@ def context_parallel_attention(
     Returns ``[T/cp, heads, d]`` in the rank's token order."""
     group = mpu.get_context_parallel_group() if group is None else group
     cp_size, cp_rank = group.size(), group.rank()
-    bounds, mine, row_order = _LAYOUT.get(cu_seqlens_padded, cp_size, cp_rank)
+    bounds, mine, row_order, _ = _LAYOUT.get(cu_seqlens_padded, cp_size, cp_rank)
     # [T, kv_heads, d] in row order: forward all-gather, backward reduce-scatter
     keys, values = (
         gather_from_sequence_parallel_region(t.contiguous(), True, group).index_select(0, row_order)

@@ -196,6 +196,8 @@ class SDPAttention(MegatronModule):
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._forward_thd(query, key, value, packed_seq_params, causal)
+        if self.config.context_parallel_size > 1:
+            raise ValueError("SDPAttention: context parallelism needs packed (thd) batches")
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None
