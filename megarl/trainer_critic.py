@@ -83,8 +83,8 @@ def critic_spec(cfg: RunConfig) -> CriticSpec:
         lr_warmup_steps=c.optim.lr_warmup_steps, lr_decay_style=c.optim.lr_decay_style,
         min_lr=c.optim.min_lr, total_steps=cfg.trainer.total_steps * mini_batches * epochs,
         grad_clip=c.grad_clip, use_distributed_optimizer=a.use_distributed_optimizer)
-    if a.use_dynamic_bsz:
-        budget = a.ppo_max_token_len_per_gpu
+    if a.use_dynamic_bsz:  # per GPU: a packed row is split over the cp ranks
+        budget = a.ppo_max_token_len_per_gpu * sizes.cp
     else:
         micro = c.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu or 1
         budget = micro * (cfg.data.max_prompt_length + cfg.data.max_response_length)

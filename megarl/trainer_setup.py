@@ -89,7 +89,8 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if a.use_dynamic_bsz:  # the log-prob forwards pack by the same token budget
-        budget, log_prob_budget, ref_budget = a.ppo_max_token_len_per_gpu, None, None
+        # per GPU: a packed row is split over the cp ranks of a model replica
+        budget, log_prob_budget, ref_budget = a.ppo_max_token_len_per_gpu * sizes.cp, None, None
     else:
         micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or 1
         budget = micro * seq_len

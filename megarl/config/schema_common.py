@@ -66,8 +66,10 @@ class ParallelConfig(Section):
         "expert-tensor-parallel size (`expert_tensor_parallel_size`); null = same as tp "
         "(megatron-core's default); 1 is usual for MoE"))
     cp: int = Field(1, ge=1, description=(
-        "context-parallel size (`context_parallel_size`); the longest sequence must be "
-        "divisible by 2 x cp"))
+        "context-parallel size (`context_parallel_size`): each packed sequence is padded to a "
+        "multiple of 2 x cp (x tp under sequence parallelism) and cut into 2 x cp chunks, rank "
+        "r keeping chunks r and 2cp-1-r; the longest sequence must be divisible by 2 x cp; "
+        "not with MLA models or actor.cuda_graphs"))
     sequence_parallel: bool = Field(True, description=(
         "Megatron sequence parallelism inside the TP group; only active when tp > 1, and "
         "required for MoE models with tp > 1"))

@@ -232,6 +232,23 @@ def check_context_parallel_sequence_length(ctx: Context) -> Iterator[Problem]:
                         f"2 x cp = {step}", f"set data.max_response_length={response}")
 
 
+def check_context_parallel_combinations(ctx: Context) -> Iterator[Problem]:
+    """Context parallelism is built for dense and MoE models with TP + SP, PP, EP, the critic
+    and router replay (cp=2 equals cp=1 on gloo, tests/megatron/test_context_parallel.py); it is
+    refused for what it is not built for: MLA models and CUDA-graphed updates."""
+    for role, p in ctx.roles():
+        if p.cp == 1:
+            continue
+        if ctx.model is not None and ctx.model.is_mla:
+            yield error(f"{role}.parallel.cp", "context parallelism for multi-head latent "
+                        "attention (DeepSeek-V2/V3) is not built yet",
+                        f"set {role}.parallel.cp=1")
+    if ctx.cfg.actor.cuda_graphs and ctx.cfg.actor.parallel.cp > 1:
+        yield error(("actor.cuda_graphs", "actor.parallel.cp"), "CUDA-graphed updates capture "
+                    "whole micro-batches; context parallelism splits them over ranks",
+                    "set actor.cuda_graphs=false or actor.parallel.cp=1")
+
+
 def check_vocab_and_tokenizer(ctx: Context) -> Iterator[Problem]:
     """Token ids must stay below the model's vocab size (ids >= vocab give NaN or index errors)."""
     from megarl.config.model_info import tokenizer_size
@@ -348,7 +365,8 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     check_heads_divisible_by_tp, check_kv_heads_vs_tp, check_ffn_divisible,
     check_layers_divisible_by_pp, check_moe_tp_sequence_parallel, check_recompute_layers,
     check_recompute_modules,
-    check_context_parallel_sequence_length, check_vocab_and_tokenizer,
+    check_context_parallel_sequence_length, check_context_parallel_combinations,
+    check_vocab_and_tokenizer,
     check_sequence_fits_positions, check_engines_fill_rollout_pool, check_engine_heads,
     check_engine_memory, check_engine_concurrency,
 )

@@ -36,6 +36,7 @@ from megatron.core.transformer import TransformerConfig
 from megarl.algo.aggregation import loss_counts
 from megarl.algo.value_loss import value_loss
 from megarl.megatron import cpu_compat
+from megarl.megatron.context_parallel import gather_context_parallel
 from megarl.megatron.logprobs import gpt_forward, make_micro_batches
 from megarl.megatron.model import ActorModel, RecomputeSettings, SpecChoice, build_actor_model
 from megarl.megatron.optimizer import TrainableActor
@@ -152,6 +153,7 @@ def compute_values(
     flat = _broadcast_values(results, batches)
     values: list[torch.Tensor | None] = [None] * len(sequences)
     for batch, group, part in zip(batches, groups, flat.split([b.num_tokens for b in batches])):
+        part = gather_context_parallel(part, batch)
         for i, seq_values in zip(group, batch.unpack_shifted(part)):
             values[i] = seq_values
     return values
@@ -236,7 +238,8 @@ def critic_train_step(
     scale = len(micro) * mpu.get_data_parallel_world_size()
 
     def loss_func(mb: _ValueMicroBatch, output: torch.Tensor):
-        vpreds = _head_values(output)[mb.gather_index]
+        # under CP: the whole row on every CP rank (each back-propagates into its own tokens)
+        vpreds = gather_context_parallel(_head_values(output), mb.packed)[mb.gather_index]
         loss, parts = value_loss(vpreds, mb.old_values, mb.returns, mb.loss_mask,
                                  cliprange_value=settings.cliprange_value,
                                  loss_agg_mode=settings.loss_agg_mode, global_counts=counts,

@@ -3,8 +3,9 @@
 Sequences are packed into THD micro-batches (grouped by a token budget), run through megatron's
 pipeline schedule (``get_forward_backward_func``, forward only), and turned into log-probs on
 the last pipeline stage by :func:`vocab_parallel_log_probs` on the vocabulary-parallel logits.
-The results are then broadcast over the pipeline group, so every rank of the model-parallel
-group returns the same values.
+The results are then broadcast over the pipeline group and, under context parallelism, gathered
+over the CP group back into each sequence's order, so every rank of the model-parallel group
+returns the same values.
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megarl.megatron import cpu_compat
+from megarl.megatron.context_parallel import gather_context_parallel
 from megarl.megatron.model import ActorModel
-from megarl.megatron.packing import PackedBatch, pack_sequences, split_by_token_budget
+from megarl.megatron.packing import (
+    PackedBatch,
+    pack_sequences,
+    split_by_token_budget,
+    split_for_context_parallel,
+)
 from megarl.megatron.vocab_parallel import vocab_parallel_log_probs
 
 
@@ -37,21 +44,21 @@ class TokenLogProbs:
 
 
 def sequence_alignment(model: ActorModel) -> int:
-    """The multiple each packed sequence is padded to: the TP size under sequence parallelism."""
+    """The multiple each packed sequence is padded to: ``2 x cp`` chunks under context
+    parallelism, each a multiple of the TP size under sequence parallelism."""
     config = model.config
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+    tp = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    cp = config.context_parallel_size
+    return tp * (2 * cp if cp > 1 else 1)
 
 
 def make_micro_batches(
     model: ActorModel, sequences: Sequence[torch.Tensor], max_tokens: int | None
 ) -> tuple[list[PackedBatch], list[list[int]]]:
     """Pack ``sequences`` into micro-batches of at most ``max_tokens`` tokens (one if None);
-    returns the batches (on the model's device) and the sequence indices of each."""
-    if model.config.context_parallel_size > 1:
-        raise NotImplementedError(
-            "context parallelism: packed micro-batches are not split over CP ranks yet; "
-            "use parallel.cp=1"
-        )
+    returns the batches (on the model's device) and the sequence indices of each. Under context
+    parallelism each batch holds this CP rank's chunks of every sequence
+    (:func:`split_for_context_parallel`) and ``max_tokens`` counts the whole row."""
     lengths = [len(s) for s in sequences]
     groups = (
         [list(range(len(sequences)))]
@@ -60,10 +67,13 @@ def make_micro_batches(
     )
     device = next(model.chunks[0].parameters()).device
     align = sequence_alignment(model)
+    cp_size = model.config.context_parallel_size
     batches = []
     for g in groups:
         packed = pack_sequences([sequences[i] for i in g], align)
         max_len = packed.packed_seq_params().max_seqlen_q  # from host tensors: no device sync
+        if cp_size > 1:
+            packed = split_for_context_parallel(packed, cp_size, mpu.get_context_parallel_rank())
         batches.append(packed.to(device))
         _remember_max_len(batches[-1], max_len)
     return batches, groups
@@ -142,6 +152,7 @@ def compute_log_probs(
     log_probs: list[torch.Tensor | None] = [None] * len(sequences)
     entropy: list[torch.Tensor | None] = [None] * len(sequences)
     for batch, group, (lp, ent) in zip(batches, groups, per_batch):
+        lp, ent = gather_context_parallel(torch.stack([lp, ent], dim=1), batch).unbind(1)
         for i, seq_lp, seq_ent in zip(group, batch.unpack_shifted(lp), batch.unpack_shifted(ent)):
             log_probs[i], entropy[i] = seq_lp, seq_ent
     return TokenLogProbs(log_probs=log_probs, entropy=entropy if with_entropy else None)

@@ -8,6 +8,7 @@ anything else goes through the megatron code unchanged:
 
 - :class:`NativeSelfAttention` applies RoPE with :func:`~megarl.megatron.native_ops.rotary` from
   per-micro-batch tables (megatron's unfused THD RoPE calls ``.tolist()`` twice per layer);
+  under context parallelism the tables follow the CP rank's chunks of each sequence;
 - :class:`NativeMLP` / :class:`NativeGroupedMLP` run SwiGLU through
   :func:`~megarl.megatron.native_ops.swiglu` (the grouped one feeds ``torch._grouped_mm`` with
   per-expert token counts that stay on the device);
@@ -28,6 +29,7 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megarl.megatron.context_parallel import sequence_positions
 from megarl.megatron.native_ops import RotaryTables, rotary, swiglu
 
 _ROTARY_TABLES = RotaryTables()
@@ -63,7 +65,6 @@ class NativeSelfAttention(SelfAttention):
             and not cfg.multi_latent_attention
             and not cfg.apply_rope_fusion
             and not hasattr(cfg, "yarn_rotary_scaling_factor")
-            and cfg.context_parallel_size == 1
         )
         self._pending_rope: tuple[Any, Any] | None = None
 
@@ -101,6 +102,12 @@ class NativeSelfAttention(SelfAttention):
             # separate or partial rotary frequencies: megatron's own function
             query, key = (apply_rotary_pos_emb(t, f, config=self.config, cu_seqlens=cu)
                           for t, f in zip((query, key), freqs))
+        elif cu is not None and self.config.context_parallel_size > 1:
+            # this CP rank's chunks: rotate by their positions inside each sequence
+            positions = sequence_positions(cu, getattr(self.pg_collection, "cp", None))
+            tables = _ROTARY_TABLES.get(freqs[0], query.dtype, query.shape[0],
+                                        positions=positions)
+            query, key = rotary(query, key, tables)
         else:
             tables = _ROTARY_TABLES.get(freqs[0], query.dtype, query.shape[0], cu)
             query, key = rotary(query, key, tables)

@@ -42,6 +42,7 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import divide
 
+from megarl.megatron.context_parallel import context_parallel_attention
 from megarl.megatron.native_ops import flash_varlen_attention, flash_varlen_supported, rms_norm
 
 
@@ -155,7 +156,8 @@ class SDPAttention(MegatronModule):
 
     Inputs are megatron's: ``[s, b, heads, dim]`` (sbhd) or ``[t, heads, dim]`` with
     ``packed_seq_params`` (thd, one causal segment per ``cu_seqlens`` entry). Grouped-query
-    attention is native to SDPA. Context parallelism is not supported (use the TE spec).
+    attention is native to SDPA. Under context parallelism (thd only) the keys and values come
+    from every CP rank (:func:`~megarl.megatron.context_parallel.context_parallel_attention`).
     """
 
     def __init__(
@@ -170,11 +172,7 @@ class SDPAttention(MegatronModule):
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError(
-                "context_parallel_size > 1 needs TransformerEngine attention; the native spec "
-                "(no TE installed) supports cp=1 only"
-            )
+        self.cp_group = getattr(pg_collection, "cp", None)
         self.attn_mask_type = attn_mask_type
         self.softmax_scale = softmax_scale
         self.dropout_p = (
@@ -198,6 +196,8 @@ class SDPAttention(MegatronModule):
         causal = mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._forward_thd(query, key, value, packed_seq_params, causal)
+        if self.config.context_parallel_size > 1:
+            raise ValueError("SDPAttention: context parallelism needs packed (thd) batches")
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         mask = None
@@ -224,6 +224,16 @@ class SDPAttention(MegatronModule):
         FlashAttention varlen call for several on CUDA; otherwise one SDPA call per sequence."""
         cu = params.cu_seqlens_q_padded
         dropout = self.dropout_p if self.training else 0.0
+        if self.config.context_parallel_size > 1:
+            if cu is None or not causal:
+                raise ValueError(
+                    "SDPAttention: context parallelism needs causal attention over packed "
+                    "sequences with cu_seqlens_q_padded (megarl's packed micro-batches)"
+                )
+            return context_parallel_attention(
+                query, key, value, cu, scale=self.softmax_scale, dropout_p=dropout,
+                group=self.cp_group,
+            )
         if cu is not None and causal:
             if cu.numel() == 2:
                 # [t, h, d] -> [1, h, t, d]

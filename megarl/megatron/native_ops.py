@@ -108,19 +108,24 @@ class RotaryTables:
         self._entries: OrderedDict[tuple, tuple] = OrderedDict()
 
     def get(self, freqs: torch.Tensor, dtype: torch.dtype, rows: int,
-            cu_seqlens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for ``rows`` positions (sbhd) or for the packed tokens of ``cu_seqlens``."""
-        key = (id(freqs), id(cu_seqlens), rows, dtype)
+            cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tables for ``rows`` positions (sbhd), for the packed tokens of ``cu_seqlens``, or
+        for the given ``[rows]`` in-sequence ``positions`` (a context-parallel rank's chunks)."""
+        layout = cu_seqlens if positions is None else positions
+        key = (id(freqs), id(layout), rows, dtype)
         hit = self._entries.get(key)
         if hit is not None:
             self._entries.move_to_end(key)
             return hit[0]
-        if cu_seqlens is None:
+        if positions is not None:
+            angles = freqs[positions]
+        elif cu_seqlens is None:
             angles = freqs[:rows]
         else:
             angles = freqs[packed_positions(cu_seqlens, rows)]
         tables = _tables(angles, dtype)
-        self._entries[key] = (tables, freqs, cu_seqlens)
+        self._entries[key] = (tables, freqs, layout)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
         return tables

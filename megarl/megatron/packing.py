@@ -8,6 +8,7 @@ padding is causal-invisible to the real tokens and its outputs are dropped when 
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,11 +32,22 @@ class PackedBatch:
     """``[n+1]`` int32 offsets of each padded sequence in the row."""
     lengths: list[int]
     """Real length of each sequence."""
+    cp_gather_index: torch.Tensor | None = None
+    """Under context parallelism (:func:`split_for_context_parallel`): ``[T_global]`` row, in
+    the CP ranks' tokens concatenated by rank, of each position of the whole packed row; the
+    other fields then hold this rank's tokens while the offsets stay those of the whole row."""
 
     @property
     def num_tokens(self) -> int:
-        """Length T of the packed row, padding included."""
+        """Length T of this rank's packed row, padding included (the whole row / cp)."""
         return self.input_ids.shape[1]
+
+    @property
+    def row_tokens(self) -> int:
+        """Length of the whole packed row: ``num_tokens`` times cp under context parallelism."""
+        if self.cp_gather_index is None:
+            return self.num_tokens
+        return self.cp_gather_index.numel()
 
     def packed_seq_params(self) -> PackedSeqParams:
         """megatron's THD descriptor for this batch."""
@@ -77,6 +89,8 @@ class PackedBatch:
             cu_seqlens=self.cu_seqlens.to(device),
             cu_seqlens_padded=self.cu_seqlens_padded.to(device),
             lengths=list(self.lengths),
+            cp_gather_index=None if self.cp_gather_index is None
+            else self.cp_gather_index.to(device),
         )
 
 
@@ -105,6 +119,44 @@ def pack_sequences(sequences: Sequence[torch.Tensor], align: int = 1) -> PackedB
         cu_seqlens=torch.cat([zero, torch.tensor(lengths).cumsum(0).to(torch.int32)]),
         cu_seqlens_padded=torch.cat([zero, torch.tensor(padded_lengths).cumsum(0).to(torch.int32)]),
         lengths=lengths,
+    )
+
+
+def context_parallel_positions(
+    cu_seqlens_padded: Sequence[int], cp_size: int, cp_rank: int
+) -> torch.Tensor:
+    """Row positions of the tokens CP rank ``cp_rank`` holds, in its order: each padded sequence
+    is cut into ``2 * cp_size`` equal chunks and the rank takes chunks ``cp_rank`` and
+    ``2 * cp_size - 1 - cp_rank`` (megatron-core's load-balanced causal split)."""
+    parts = []
+    for start, end in itertools.pairwise(cu_seqlens_padded):
+        chunk, rest = divmod(end - start, 2 * cp_size)
+        if rest:
+            raise ValueError(
+                f"context parallel: a padded sequence of {end - start} tokens does not split "
+                f"into 2 x cp = {2 * cp_size} chunks; pack with align a multiple of {2 * cp_size}"
+            )
+        for k in (cp_rank, 2 * cp_size - 1 - cp_rank):
+            parts.append(torch.arange(start + k * chunk, start + (k + 1) * chunk))
+    return torch.cat(parts)
+
+
+def split_for_context_parallel(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
+    """This CP rank's share of a packed row (from :func:`pack_sequences` with ``align`` a
+    multiple of ``2 * cp_size``): its tokens, positions and targets, the whole row's offsets
+    (megatron-core's THD convention under CP) and the index that reorders the ranks' gathered
+    per-token values into the row (:func:`gather_context_parallel`)."""
+    cu = batch.cu_seqlens_padded.tolist()
+    mine = context_parallel_positions(cu, cp_size, cp_rank)
+    by_rank = torch.cat([context_parallel_positions(cu, cp_size, r) for r in range(cp_size)])
+    return PackedBatch(
+        input_ids=batch.input_ids[:, mine],
+        position_ids=batch.position_ids[:, mine],
+        targets=batch.targets[:, mine],
+        cu_seqlens=batch.cu_seqlens,
+        cu_seqlens_padded=batch.cu_seqlens_padded,
+        lengths=list(batch.lengths),
+        cp_gather_index=torch.argsort(by_rank),
     )
 
 

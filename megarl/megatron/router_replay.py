@@ -12,6 +12,8 @@ of instances) and aligns the routes with how the forward sees the tokens:
 - packing: per-sequence routes ``[L_i, num_moe_layers, top_k]`` <-> the packed row of each
   micro-batch, grouped exactly as ``compute_log_probs`` / ``train_step`` group them
   (:func:`~megarl.megatron.logprobs.make_micro_batches`); padding rows route natively;
+- context parallelism: a CP rank routes its chunks of every sequence; recorded rows are
+  all-gathered over CP back into each sequence's order, replayed rows follow the chunks;
 - sequence parallelism: each TP rank routes a contiguous ``1/tp`` slice of the row; recorded
   slices are all-gathered over TP, replayed routes are sliced;
 - pipeline stages (and virtual stages): each rank runs the MoE layers of its chunks, found by
@@ -40,6 +42,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
 
 from megarl.megatron import cpu_compat
+from megarl.megatron.context_parallel import gather_context_parallel, rows_of_this_rank
 from megarl.megatron.logprobs import make_micro_batches
 from megarl.megatron.model import ActorModel
 from megarl.megatron.native_spec import moe_layer_pattern
@@ -267,6 +270,7 @@ def _assemble(
         dist.all_reduce(routes, group=mpu.get_pipeline_model_parallel_group())
     out: list[torch.Tensor | None] = [None] * num_sequences
     for batch, group, packed in zip(batches, groups, routes.split([b.num_tokens for b in batches])):
+        packed = gather_context_parallel(packed, batch)  # the whole row, under CP
         for i, seq in zip(group, batch.unpack(packed)):
             out[i] = seq.to("cpu", torch.int16)
     return out
@@ -371,10 +375,10 @@ def _pack_routes(
     model: ActorModel, batch: PackedBatch, routes: list[torch.Tensor], indices: list[int]
 ) -> torch.Tensor:
     """Per-sequence routes -> ``[T, num_moe_layers, top_k]`` int64 rows of the packed batch
-    (padding and missing rows are ``-1``)."""
+    (padding and missing rows are ``-1``); under CP the rows of this rank's chunks."""
     config = model.config
     width = (num_moe_layers(model), config.moe_router_topk)
-    out = torch.full((batch.num_tokens, *width), NATIVE_ROUTE, dtype=torch.long)
+    out = torch.full((batch.row_tokens, *width), NATIVE_ROUTE, dtype=torch.long)
     starts = batch.cu_seqlens_padded[:-1].tolist()
     for i, seq_routes, start, length in zip(indices, routes, starts, batch.lengths):
         seq_routes = torch.as_tensor(seq_routes).long()
@@ -386,7 +390,7 @@ def _pack_routes(
             )
         _check_rows(seq_routes, config.num_moe_experts, i)
         out[start : start + seq_routes.shape[0]] = seq_routes
-    return out
+    return rows_of_this_rank(out, batch)  # this CP rank's chunks
 
 
 def _check_rows(routes: torch.Tensor, num_experts: int, index: int) -> None:

@@ -7,6 +7,12 @@ the sum of the micro-batch losses is the mini-batch loss however it was split. m
 each micro-batch loss by the number of micro-batches and DDP averages gradients over DP ranks;
 the loss handed to the schedule is multiplied by both, so the applied gradient is the gradient
 of the mini-batch loss.
+
+Context parallelism: each CP rank computes the log-probs of its own tokens; they are gathered over
+the CP group (:func:`gather_context_parallel`, whose backward keeps the rank's slice), so every
+CP rank computes the same mini-batch loss as cp=1 and back-propagates it into its own tokens.
+megatron multiplies the loss by cp and DDP averages gradients over dp x cp, which sums the CP
+ranks' partial gradients: the applied gradient is again the mini-batch loss's.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ from megarl.algo import (
     policy_loss_options,
 )
 from megarl.megatron import cpu_compat
+from megarl.megatron.context_parallel import gather_context_parallel
 from megarl.megatron.cuda_graphs import GraphedChunk
 from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs, make_micro_batches
 from megarl.megatron.optimizer import TrainableActor
@@ -175,6 +182,10 @@ def train_step(
 
     def loss_func(mb: _MicroBatch, logits: torch.Tensor):
         log_probs, entropy = logits_to_log_probs(model, logits, mb.packed.targets, temperature)
+        # under CP: the whole row on every CP rank, the gradient back to this rank's tokens
+        log_probs, entropy = gather_context_parallel(
+            torch.stack([log_probs, entropy], dim=1), mb.packed
+        ).unbind(1)
         loss, metrics = _loss_terms(mb, log_probs, entropy, settings, counts)
         return loss * scale, metrics
 

@@ -110,6 +110,12 @@ CASES = [
      ["actor.parallel.cp", "data.max_response_length"], "data.max_response_length=2048", "error"),
     ("check_layout_fills_train_pool", ["actor.parallel.cp=3"], None, ["actor.parallel.cp"],
      "use actor.parallel.cp=2", "error"),
+    ("check_context_parallel_combinations", ["actor.parallel.cp=2", "actor.parallel.ep=4",
+     "resources.train_pool.nnodes=2", "actor.parallel.tp=1"], DEEPSEEK_V3,
+     ["actor.parallel.cp"], "actor.parallel.cp=1", "error"),
+    ("check_context_parallel_combinations", ["actor.parallel.cp=2", "actor.parallel.ep=4",
+     "actor.cuda_graphs=true"], None, ["actor.cuda_graphs", "actor.parallel.cp"],
+     "set actor.cuda_graphs=false", "error"),
     # B4: rollout engines
     ("check_engines_fill_rollout_pool", ["rollout.gpus_per_engine=3"], None,
      ["rollout.gpus_per_engine", "resources.train_pool"], "rollout.gpus_per_engine=2", "error"),
@@ -329,6 +335,13 @@ def test_tokenizer_larger_than_vocab_is_rejected(checker, tiny_moe_dir, tmp_path
                            "actor.parallel.ep=4", model=load_model_info(model_dir))
     assert problem.fields == ("model.tokenizer_path", "model.path")
     assert "token ids up to 90" in problem.line() and "vocab_size is 64" in problem.line()
+
+
+def test_context_parallel_layouts_that_are_built_pass(checker):
+    """cp=2 with TP + SP, EP, a critic and router replay is built (tests/megatron): no error."""
+    assert checker.problems("actor.parallel.cp=2", "actor.parallel.ep=4") == []
+    assert checker.problems("actor.parallel.cp=2", "actor.parallel.ep=2", "actor.parallel.tp=2",
+                            "actor.router_replay.mode=R2") == []
 
 
 def test_r3_turns_on_routed_experts_by_itself(checker):

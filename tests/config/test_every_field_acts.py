@@ -439,3 +439,13 @@ def test_trust_remote_code_reaches_every_loader(run: Run) -> None:
     args = build_parser().parse_args(local[local.index("--model"):])
     assert args.trust_remote_code
     assert "trust_remote_code" in code_names(Trainer.setup)
+
+
+def test_dynamic_token_budget_counts_per_cp_rank(run: Run) -> None:
+    """ppo_max_token_len_per_gpu is per GPU: a packed row of a model replica with cp=2 holds
+    twice as many tokens (actor and critic), as `megarl config show` prints."""
+    built = run.built(GAE, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=8192",
+                      "actor.parallel.cp=2")
+    assert built["actor"].max_tokens_per_micro_batch == 16384
+    assert built["critic"].max_tokens_per_micro_batch == 16384
+    assert built["sizes"].token_budget_per_micro_batch == 16384

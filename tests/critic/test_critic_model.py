@@ -104,6 +104,7 @@ LAYOUTS = {
     "pp2": ("dense", ParallelSizes(pp=2)),
     "dp2": ("dense", ParallelSizes()),
     "ep2": ("moe", ParallelSizes(ep=2)),
+    "cp2": ("dense", ParallelSizes(cp=2)),  # context parallel: chunks of odd-length sequences
 }
 
 
