@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from megarl.config import load_config, validate_config
 from megarl.config.cli import show_main, validate_main
@@ -23,11 +24,17 @@ CARDS = sorted(p for p in (REPO / "configs" / "models").iterdir() if p.is_dir())
 PLACEHOLDER_RULES = {"check_model_weights", "check_data_files"}
 
 
+def card_of(path: Path) -> str:
+    """The name of the model card (configs/models/NAME) a sized config's model.path names."""
+    return Path(yaml.safe_load(path.read_text())["model"]["path"]).name
+
+
 def test_the_shipped_set():
     assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "moe-gpu-demo", "qwen3-0.6b",
-                                         "qwen3-235b-a22b", "qwen3-30b-a3b", "qwen3-8b",
-                                         "tiny-moe-cpu"]
-    assert [c.name for c in CARDS] == [p.stem for p in SIZED]
+                                         "qwen3-235b-a22b", "qwen3-30b-a3b-32k", "qwen3-30b-a3b",
+                                         "qwen3-8b", "tiny-moe-cpu"]
+    # every sized config points at a model card, and every card is used
+    assert sorted({card_of(p) for p in SIZED}) == [c.name for c in CARDS]
     for path in SHIPPED:
         assert path.read_text().startswith("# "), f"{path.name} has no header comment"
 
@@ -65,7 +72,7 @@ def test_gpu_demo_config_validates_before_the_demo_ran(monkeypatch, capsys):
 def test_sized_config_validates_with_only_the_placeholders_reported(path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)  # model.path and the data placeholders are relative to the repo
     cfg, sources = load_config(path)
-    assert cfg.model.path == f"configs/models/{path.stem}"
+    assert cfg.model.path == f"configs/models/{card_of(path)}"
     problems = validate_config(cfg, sources=sources, allow_missing_files=True)
     assert {p.rule for p in problems} == PLACEHOLDER_RULES, [p.line() for p in problems]
     assert all(not p.is_error for p in problems)
@@ -80,7 +87,7 @@ def test_sized_config_with_real_files_validates_without_any_warning(path, tmp_pa
     """Replacing the placeholders (a checkpoint dir with weights, existing data) leaves nothing."""
     model = tmp_path / "checkpoint"
     model.mkdir()
-    shutil.copy(REPO / "configs" / "models" / path.stem / "config.json", model / "config.json")
+    shutil.copy(REPO / "configs" / "models" / card_of(path) / "config.json", model / "config.json")
     (model / "model-00001-of-00001.safetensors").write_bytes(b"")
     train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
     train.write_bytes(b"")
@@ -110,7 +117,7 @@ def test_show_prints_the_parameter_counts(path, monkeypatch, capsys):
     out = capsys.readouterr().out
     published = {"qwen3-0.6b": ("0.596B", "0.596B"), "qwen3-8b": ("8.19B", "8.19B"),
                  "qwen3-30b-a3b": ("30.5B", "3.35B"), "qwen3-235b-a22b": ("235B", "22.2B"),
-                 "deepseek-v3-671b": ("671B", "37.6B")}[path.stem]
+                 "deepseek-v3-671b": ("671B", "37.6B")}[card_of(path)]
     assert f"#   params/total: {published[0]}\n" in out
     assert f"#   params/active: {published[1]}\n" in out
     assert "#   actor update " in out and "#   rollout GPU (engine of " in out
@@ -153,3 +160,16 @@ def test_docs_config_reference_is_generated_from_the_schema():
     page = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert page.read_text() == reference_page(), (
         "docs/config.md is stale: run `python -m megarl.config.docs > docs/config.md`")
+
+
+def test_long_response_config_splits_sequences_over_context_parallel_ranks(monkeypatch, capsys):
+    monkeypatch.chdir(REPO)
+    path = REPO / "configs" / "qwen3-30b-a3b-32k.yaml"
+    cfg, _ = load_config(path)
+    assert cfg.actor.parallel.cp == 2 and cfg.data.max_response_length == 32768
+    assert show_main([str(path), "--allow-missing-files"]) == 0
+    out = capsys.readouterr().out
+    # the CP group's token budget (per GPU x cp) holds the longest sequence in one micro-batch
+    assert "#   longest sequence          34816 tokens\n" in out
+    assert "up to 36864 tokens each (per CP group)" in out
+    assert "actor tp 4 x pp 1 x cp 2 x dp 2" in out
