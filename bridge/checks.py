@@ -202,11 +202,12 @@ def check_layout(info: ModelInfo, tp: int, pp: int, ep: int, etp: int | None) ->
             )
 
 
-def world_size(tp: int, pp: int, ep: int, etp: int | None) -> int:
-    """The fewest ranks that hold one copy of the model in this layout: lcm(tp*pp, ep*etp*pp)."""
+def world_size(tp: int, pp: int, ep: int, etp: int | None, cp: int = 1) -> int:
+    """The fewest ranks that hold one copy of the model in this layout:
+    lcm(tp*cp*pp, ep*etp*pp)."""
     from math import lcm
 
-    return lcm(tp * pp, ep * (etp or tp) * pp)
+    return lcm(tp * cp * pp, ep * (etp or tp) * pp)
 
 
 def check_new_output(out: str | Path, flag: str = "--out") -> Path:
@@ -269,26 +270,35 @@ class Layout:
     ep: int = 1
     etp: int | None = None
     """Expert tensor-parallel size; None means megatron's default (equal to ``tp``)."""
+    cp: int = 1
+    """Context-parallel size: each sequence split over ``cp`` ranks (``verify`` only; a
+    checkpoint does not depend on it)."""
 
     @property
     def world_size(self) -> int:
         """The number of ranks the layout needs (one copy of the model)."""
-        return world_size(self.tp, self.pp, self.ep, self.etp)
+        return world_size(self.tp, self.pp, self.ep, self.etp, self.cp)
 
     def check(self, info: ModelInfo) -> None:
         """Raise a one-line error when this layout does not divide the model."""
         check_layout(info, self.tp, self.pp, self.ep, self.etp)
+        if self.cp < 1:
+            raise ConversionError(f"--cp {self.cp}: must be >= 1")
+        if self.cp > 1 and info.is_mla:
+            raise ConversionError(f"--cp {self.cp}: context parallelism is not built for MLA "
+                                  "models (DeepSeek-V2/V3) in megarl; use --cp 1")
 
     def sizes(self) -> Any:
         """The megarl ``ParallelSizes`` of this layout."""
         from megarl.megatron.parallel import ParallelSizes
 
-        return ParallelSizes(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp)
+        return ParallelSizes(tp=self.tp, pp=self.pp, ep=self.ep, etp=self.etp, cp=self.cp)
 
     def describe(self) -> str:
-        """``tp=2 pp=1 ep=1`` (plus ``etp`` when set)."""
+        """``tp=2 pp=1 ep=1`` (plus ``etp`` and ``cp`` when set)."""
         text = f"tp={self.tp} pp={self.pp} ep={self.ep}"
-        return text + (f" etp={self.etp}" if self.etp is not None else "")
+        text += f" etp={self.etp}" if self.etp is not None else ""
+        return text + (f" cp={self.cp}" if self.cp > 1 else "")
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--hf", required=True, help="HF model directory (the reference)")
     check.add_argument("--mcore", help="dist checkpoint to load instead of the HF weights")
     _add_layout(check)
+    check.add_argument("--cp", type=_positive, default=1,
+                       help="context-parallel size: every sequence split over cp ranks")
     check.add_argument("--dtype", choices=sorted(DTYPE_CHOICES), default="fp32",
                        help="dtype of both models (default fp32)")
     check.add_argument("--tolerance", type=float,
@@ -80,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _layout(args: argparse.Namespace) -> Layout:
-    return Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+    return Layout(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, cp=getattr(args, "cp", 1))
 
 
 def _gb(nbytes: int) -> str:

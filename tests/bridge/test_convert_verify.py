@@ -106,3 +106,20 @@ def test_cli_end_to_end_with_spawned_ranks(tiny_models, tmp_path, capsys):
     original = load_file(bad_hf / "model.safetensors")
     assert restored.keys() == original.keys()
     assert all(torch.equal(restored[k], original[k]) for k in original)
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe"])
+def test_context_parallel_log_probs_match_transformers(tiny_models, converted, ranks, name):
+    """``verify --cp 2``: every prompt split over two CP ranks (odd lengths padded to 2 x cp
+    chunks) scores like HF transformers, from the checkpoint saved in another layout."""
+    layout = Layout(cp=2)
+    assert layout.world_size == 2 and layout.describe() == "tp=1 pp=1 ep=1 cp=2"
+    result = verify(tiny_models[name], converted[name], layout, runner=ranks.runner)
+    assert result.passed and result.max_abs_diff < 1e-4
+    assert result.tokens == scored_tokens(tiny_models[name])
+
+
+def test_context_parallel_is_refused_for_mla_models(tiny_models, capsys):
+    assert main(["verify", "--hf", tiny_models["deepseek_v3"], "--cp", "2"]) != 0
+    err = capsys.readouterr().err
+    assert "--cp 2: context parallelism is not built for MLA models" in err and "--cp 1" in err
