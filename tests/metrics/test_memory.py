@@ -72,6 +72,7 @@ def test_an_engine_oom_in_generation_names_the_generation_knobs():
     trainer.sampling_params = lambda: None
     trainer.prompt_seeds = lambda step, count: [0] * count
     trainer.generation_options = dict
+    trainer.agent = None  # single-turn generation (no rollout.multi_turn)
     with pytest.raises(PhaseOutOfMemory) as caught:
         asyncio.run(trainer.rollout(Client(), [{"input_ids": [1, 2]}], 0))
     assert "phase 'gen'" in str(caught.value)
