@@ -88,7 +88,9 @@ def test_the_count_survives_a_checkpoint(tmp_path) -> None:
 
     saved: dict[str, Any] = {}
 
-    def save(method: str, path: str, step: int, extra: dict, keep: int) -> Any:
+    def save(method: str, path: str, step: int, extra: dict, keep: int,
+             background: bool) -> Any:
+        assert method == "save_checkpoint" and not background  # trainer.async_save defaults off
         saved.update(extra)
         return SimpleNamespace(get=lambda phase: [path])
 
