@@ -136,6 +136,8 @@ class _RankLayout:
 
 
 def _rank_layout(cu_padded: torch.Tensor, cp_size: int, cp_rank: int) -> _RankLayout:
+    """CP rank ``cp_rank``'s layout of the packed row with offsets ``cu_padded`` (one host
+    sync)."""
     bounds = cu_padded.tolist()
     device = cu_padded.device
     mine = context_parallel_positions(bounds, cp_size, cp_rank)
@@ -282,7 +284,7 @@ def flash_segments_checked(query: torch.Tensor, keys: torch.Tensor,
         try:
             with torch.inference_mode(False):
                 error = segments_error(flash_varlen_segments, query, keys, values)
-        except RuntimeError as err:
+        except (RuntimeError, TypeError) as err:
             error, reason = float("nan"), f"failed ({err})"
         else:
             reason = f"disagrees with the SDPA-mask path (relative error {error:.2e})"
