@@ -157,7 +157,8 @@ class SDPAttention(MegatronModule):
     Inputs are megatron's: ``[s, b, heads, dim]`` (sbhd) or ``[t, heads, dim]`` with
     ``packed_seq_params`` (thd, one causal segment per ``cu_seqlens`` entry). Grouped-query
     attention is native to SDPA. Under context parallelism (thd only) the keys and values come
-    from every CP rank (:func:`~megarl.megatron.context_parallel.context_parallel_attention`).
+    from every CP rank (:func:`~megarl.megatron.context_parallel.context_parallel_attention`:
+    one FlashAttention varlen call per layer on CUDA, else SDPA with a mask per sequence).
     """
 
     def __init__(

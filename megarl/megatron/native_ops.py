@@ -12,7 +12,8 @@ hand-written backward passes that skip autograd's slice / cat / zero-fill bookke
 - :func:`rms_norm` uses the fused ``F.rms_norm`` kernel on CUDA (one kernel forward and
   backward instead of ~20) and HF's fp32 formula elsewhere;
 - :func:`flash_varlen_attention` runs causal attention over all sequences of a packed batch in
-  one FlashAttention call (CUDA, bf16/fp16).
+  one FlashAttention call (CUDA, bf16/fp16); :func:`flash_varlen_segments` is the same call with
+  key segments longer than their query segments (context parallelism).
 """
 
 from __future__ import annotations
@@ -201,25 +202,28 @@ def swiglu(x: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
 
 
 class _FlashVarlen(torch.autograd.Function):
-    """Causal FlashAttention over packed sequences through the ATen flash ops."""
+    """Causal FlashAttention of packed query segments to their key segments through the ATen
+    flash ops. A key segment may be longer than its query segment: FlashAttention-2 then aligns
+    the causal mask to the bottom right (query ``i`` of ``n`` sees keys ``0 .. m - n + i`` of
+    ``m``), as ``torch.nn.attention.bias.causal_lower_right`` relies on."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu, max_len, scale):
-        """Causal attention over the packed sequences."""
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        """Causal attention over the packed segments."""
         out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
-        ctx.max_len, ctx.scale = max_len, scale
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng, unused)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
         return out
 
     @staticmethod
     def backward(ctx, grad):
         """FlashAttention's backward for q, k, v."""
-        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, rng, unused = ctx.saved_tensors
         dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True,
+            grad.contiguous(), q, k, v, out, lse, cu_q, cu_k, ctx.max_q, ctx.max_k, 0.0, True,
             rng, unused, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_varlen_supported(q: torch.Tensor, dropout_p: float) -> bool:
@@ -234,6 +238,21 @@ def flash_varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            scale: float | None) -> torch.Tensor:
     """Causal attention inside each packed sequence: ``[T, heads, d]`` (kv may have fewer
     heads) with int32 ``cu_seqlens`` ending at T; returns ``[T, heads, d]``."""
+    cu_seqlens = cu_seqlens.to(torch.int32)
+    return flash_varlen_segments(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, scale)
+
+
+def flash_varlen_segments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                          max_seqlen_q: int, max_seqlen_k: int,
+                          scale: float | None) -> torch.Tensor:
+    """Causal attention of each packed query segment ``[Tq, heads, d]`` to its key segment
+    ``[Tk, kv_heads, d]`` (int32 offsets ``cu_seqlens_q`` / ``cu_seqlens_k``, one entry more
+    than segments, ending at Tq / Tk), in one FlashAttention call. A key segment may be longer
+    than its query segment: the queries are then its last tokens (bottom-right causal mask).
+    Returns ``[Tq, heads, d]``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     q, k, v = (t.contiguous() for t in (q, k, v))
-    return _FlashVarlen.apply(q, k, v, cu_seqlens.to(torch.int32), int(max_len), float(scale))
+    return _FlashVarlen.apply(q, k, v, cu_seqlens_q.to(torch.int32),
+                              cu_seqlens_k.to(torch.int32), int(max_seqlen_q),
+                              int(max_seqlen_k), float(scale))
