@@ -9,12 +9,18 @@ engine in separate Ray pools, GRPO, weights streamed to the engine after every s
 (8 layers, 16 experts, top-2) learning the harder ``copy_number`` task under ``outputs/moe-gpu/``
 with ``configs/moe-gpu-demo.yaml``: the actor and the embedded engine share the GPU (colocated),
 the engine releases its memory while the actor trains, and weights move over CUDA IPC.
+``megarl demo --tools`` runs the multi-turn tools demo on CPU: the CPU demo's tiny model, first
+warm-started on tool-call demonstrations (:mod:`megarl.data.warm_start`, a stand-in for an
+instruct model), learns to call a calculator for ``tool_multiply`` with
+``configs/tiny-moe-tools.yaml``.
+
 Prints where the metrics and plot are.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +38,9 @@ class DemoSpec:
     model: dict[str, Any] = field(default_factory=dict)
     """Overrides of the tiny Qwen3-MoE config (``make_tiny_model``)."""
     train_rows: int = 2048
+    warm_start_steps: int = 0
+    """Supervised steps on tool-call demonstrations before RL (:mod:`megarl.data.warm_start`);
+    0 = start RL from the random model."""
 
 
 DEMOS = {
@@ -40,7 +49,11 @@ DEMOS = {
         "hidden_size": 768, "num_hidden_layers": 8, "num_attention_heads": 12,
         "num_key_value_heads": 4, "head_dim": 64, "intermediate_size": 2048, "num_experts": 16,
         "num_experts_per_tok": 2, "moe_intermediate_size": 1024}, train_rows=8192),
+    "tools": DemoSpec(Path("outputs/tiny-moe-tools"), CONFIGS / "tiny-moe-tools.yaml",
+                      "tool_multiply", warm_start_steps=400),
 }
+# the warm start's demonstrations: this fraction calls the calculator, the rest guess
+WARM_START_CALL_FRACTION = 0.3
 DEMO_ROOT = DEMOS["cpu"].root
 DEMO_CONFIG = DEMOS["cpu"].config
 TASK = DEMOS["cpu"].task
@@ -53,13 +66,34 @@ def prepare_demo_assets(root: Path = DEMO_ROOT, seed: int = 0,
     from megarl.data.tiny_model import make_tiny_model
 
     model, train, val = root / "model", root / "data" / "train.parquet", root / "data" / "val.parquet"
-    if not (model / "config.json").exists():
-        make_tiny_model(model, arch="qwen3_moe", seed=seed, **spec.model)
     if not train.exists():
         write_synthetic_dataset(train, spec.task, spec.train_rows, seed=seed, split="train")
+    if not (model / "config.json").exists():
+        building = model.with_name(model.name + ".building")  # never a half-made model
+        shutil.rmtree(building, ignore_errors=True)
+        make_tiny_model(building, arch="qwen3_moe", seed=seed, **spec.model)
+        if spec.warm_start_steps:
+            warm_start(building, spec.task, spec.warm_start_steps, seed)
+        building.rename(model)
     if not val.exists():
         write_synthetic_dataset(val, spec.task, 64, seed=seed + 1, split="val")
     return model, train, val
+
+
+def warm_start(model: Path, task: str, steps: int, seed: int) -> None:
+    """Supervised warm start of ``model`` on tool-call demonstrations of ``task`` (prompts of
+    their own, none of the RL data's)."""
+    from transformers import AutoTokenizer
+
+    from megarl.data.synthetic import generate_rows
+    from megarl.data.warm_start import demonstrations, sft
+
+    rows = generate_rows(task, 2048, seed=seed + 1000, split="warm_start")
+    examples = demonstrations(rows, AutoTokenizer.from_pretrained(model),
+                              WARM_START_CALL_FRACTION, seed=seed)
+    print(f"[demo] warm start: {steps} supervised steps on {len(examples)} demonstrations "
+          f"({WARM_START_CALL_FRACTION:.0%} call the calculator)", flush=True)
+    sft(model, examples, steps=steps, seed=seed)
 
 
 def demo_main(argv: list[str]) -> int:
@@ -67,10 +101,14 @@ def demo_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="megarl demo", description=__doc__.split("\n")[0])
     parser.add_argument("--device", choices=sorted(DEMOS), default="cpu",
                         help="cpu: the tiny CPU demo; cuda: the one-GPU colocated demo")
+    parser.add_argument("--tools", action="store_true",
+                        help="the multi-turn tools demo on CPU (configs/tiny-moe-tools.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="a.b.c=value",
                         help="overrides of the demo's config (e.g. trainer.total_steps=5)")
     args = parser.parse_args(argv)
-    spec = DEMOS[args.device]
+    if args.tools and args.device != "cpu":
+        parser.error("--tools: the tools demo runs on CPU only (leave out --device)")
+    spec = DEMOS["tools" if args.tools else args.device]
     prepare_demo_assets(spec.root, spec=spec)
     from megarl.trainer import train_main
 

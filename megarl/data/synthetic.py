@@ -20,6 +20,10 @@ Tasks (``data_source`` is ``"synthetic/<task>"``, scored by :mod:`megarl.reward.
   written 6 times, the answer is the number, and the reward is the fraction of its digits that
   the first three digits of the response get right, position by position (partial credit, so
   a model learning from scratch is rewarded for the first digit before it orders the others).
+- ``tool_multiply``: the multi-turn tools demo's task (``configs/tiny-moe-tools.yaml``): the
+  product of two 2-digit numbers (``Compute 38*47``), too hard for the tiny model to compute
+  but a calculator call away; the reward reads the final answer, the last integer after the
+  last tool response (so a tool's result never scores by itself).
 """
 
 from __future__ import annotations
@@ -63,12 +67,18 @@ def _copy_number(rng: random.Random) -> tuple[str, str]:
     return f"Copy {number * 6}", number
 
 
+def _tool_multiply(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"Compute {a}*{b}", str(a * b)
+
+
 TASKS: dict[str, Callable[[random.Random], tuple[str, str]]] = {
     "arithmetic": _arithmetic,
     "counting": _counting,
     "sorting": _sorting,
     "copy_digit": _copy_digit,
     "copy_number": _copy_number,
+    "tool_multiply": _tool_multiply,
 }
 
 

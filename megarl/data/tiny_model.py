@@ -17,7 +17,13 @@ import torch
 
 # Character alphabet of the tokenizer: enough for the synthetic tasks and chat-formatted prompts.
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-ALPHABET = list(string.digits + string.ascii_letters + " +-*/=()[],.:;?!'\"<>|_\n#")
+ALPHABET = list(string.digits + string.ascii_letters + " +-*/=()[],.:;?!'\"<>|_\n#{}")
+# Qwen3's tool-call markers, one token each and not special (decoding keeps them), as in Qwen3,
+# and the pieces of a calculator call's JSON that a BPE tokenizer would merge (so a call is 10
+# tokens, not 60 characters): `<tool_call>{"name": "calculator", "arguments": {"expression": "`
+# `2*3"}}</tool_call>`.
+TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+               '{"name": ', '"calculator"', ', "arguments": ', '{"expression": "', '"}}']
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
@@ -30,8 +36,9 @@ Arch = Literal["qwen3_moe", "qwen3", "qwen2", "qwen2_moe", "mixtral", "llama", "
 
 
 def tokenizer_vocab() -> list[str]:
-    """The token strings in id order: special tokens first, then single characters."""
-    return SPECIAL_TOKENS + ALPHABET
+    """The token strings in id order: special tokens first, then single characters, then the
+    tool-call markers."""
+    return SPECIAL_TOKENS + ALPHABET + TOOL_TOKENS
 
 
 def build_tokenizer(vocab_size: int):
@@ -47,6 +54,7 @@ def build_tokenizer(vocab_size: int):
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
+    tok.add_tokens(TOOL_TOKENS)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -28,6 +28,7 @@ from megarl.megatron.packing import (
     PackedBatch,
     pack_sequences,
     split_by_token_budget,
+    split_further,
     split_for_context_parallel,
 )
 from megarl.megatron.vocab_parallel import vocab_parallel_log_probs
@@ -60,12 +61,13 @@ def make_micro_batches(
     parallelism each batch holds this CP rank's chunks of every sequence
     (:func:`split_for_context_parallel`) and ``max_tokens`` counts the whole row."""
     lengths = [len(s) for s in sequences]
+    device = next(model.chunks[0].parameters()).device
     groups = (
         [list(range(len(sequences)))]
         if max_tokens is None
-        else split_by_token_budget(lengths, max_tokens)
+        else _same_count_over_data_parallel(lengths, split_by_token_budget(lengths, max_tokens),
+                                            device)
     )
-    device = next(model.chunks[0].parameters()).device
     align = sequence_alignment(model)
     cp_size = model.config.context_parallel_size
     batches = []
@@ -77,6 +79,22 @@ def make_micro_batches(
         batches.append(packed.to(device))
         _remember_max_len(batches[-1], max_len)
     return batches, groups
+
+
+def _same_count_over_data_parallel(lengths: list[int], groups: list[list[int]],
+                                   device: torch.device) -> list[list[int]]:
+    """The token-budget micro-batches of this rank, split further to the largest count of any
+    data-parallel rank: with expert parallelism every micro-batch's forward and backward take
+    part in all-to-alls with the other ranks, so ranks whose sequences are longer (more
+    micro-batches) would otherwise wait forever for the others."""
+    if not (torch.distributed.is_initialized() and mpu.model_parallel_is_initialized()):
+        return groups
+    group = mpu.get_data_parallel_group()
+    if torch.distributed.get_world_size(group) == 1:
+        return groups
+    count = torch.tensor([len(groups)], dtype=torch.int64, device=device)
+    torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX, group=group)
+    return split_further(lengths, groups, int(count.item()))
 
 
 # id(batch) -> (weak reference to the batch, its longest padded sequence), for batches made by

@@ -160,6 +160,29 @@ def split_for_context_parallel(batch: PackedBatch, cp_size: int, cp_rank: int) -
     )
 
 
+def split_further(lengths: Sequence[int], groups: list[list[int]], count: int) -> list[list[int]]:
+    """``groups`` (micro-batches of sequence indices, in order) split until there are ``count``:
+    each time the group of most tokens that holds two sequences or more is cut in two where its
+    tokens are most even. Ranks whose micro-batches take part in the same collectives (expert
+    parallelism) need the same number of them; a rank with fewer sequences than ``count`` cannot
+    have that many, which is an error."""
+    groups = [list(g) for g in groups]
+    if count > sum(len(g) for g in groups):
+        raise ValueError(f"cannot make {count} micro-batches of {sum(map(len, groups))} sequences")
+    while len(groups) < count:
+        splittable = [i for i, g in enumerate(groups) if len(g) > 1]
+        i = max(splittable, key=lambda j: sum(lengths[k] for k in groups[j]))
+        group = groups[i]
+        total, running, cut, best = sum(lengths[k] for k in group), 0, 1, None
+        for j in range(1, len(group)):
+            running += lengths[group[j - 1]]
+            gap = abs(total - 2 * running)
+            if best is None or gap < best:
+                cut, best = j, gap
+        groups[i:i + 1] = [group[:cut], group[cut:]]
+    return groups
+
+
 def split_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
     """Group sequence indices, in order, into micro-batches of at most ``max_tokens`` tokens.
 

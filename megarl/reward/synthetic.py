@@ -8,6 +8,9 @@ and compared with the ground truth: 1.0 when equal, else 0.0. The extraction:
 - ``synthetic/sorting``: the same text with spaces and commas removed (``1, 2, 3`` == ``123``).
 - ``synthetic/copy_digit``: the first digit anywhere in the response (lenient on purpose, so a
   model learning from scratch gets a signal before it has learned the format).
+- ``synthetic/tool_multiply``: the last integer of the final answer: the text after the last
+  ``</tool_response>`` (the whole response when no tool was called), so the calculator's
+  result counts only when the model states it.
 - ``synthetic/copy_number``: partial credit: the fraction of the number's digits that the first
   digits of the response match position by position (``123`` for ``129``: 2/3).
 
@@ -57,12 +60,19 @@ def _digit_fraction(response_text: str, ground_truth: str) -> float:
     return sum(a == b for a, b in zip(digits, truth)) / len(truth)
 
 
+def _final_integer_match(response_text: str, ground_truth: str) -> bool:
+    final = response_text.rpartition("</tool_response>")[2]
+    numbers = _INTEGER.findall(final)
+    return bool(numbers) and int(numbers[-1]) == int(str(ground_truth).strip())
+
+
 _MATCHERS: dict[str, Callable[[str, str], bool | float]] = {
     "synthetic/arithmetic": _integer_match,
     "synthetic/counting": _integer_match,
     "synthetic/sorting": _digits_match,
     "synthetic/copy_digit": _first_digit_match,
     "synthetic/copy_number": _digit_fraction,
+    "synthetic/tool_multiply": _final_integer_match,
 }
 
 SYNTHETIC_SOURCES: tuple[str, ...] = tuple(_MATCHERS)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from megarl.megatron.packing import pack_sequences, split_by_token_budget
+from megarl.megatron.packing import pack_sequences, split_by_token_budget, split_further
 
 
 def naive_experts(x, weights, splits):
@@ -133,3 +133,15 @@ def test_split_by_token_budget_keeps_order_and_budget():
     assert split_by_token_budget([2, 2, 2], max_tokens=100) == [[0, 1, 2]]
     with pytest.raises(ValueError, match="max_tokens"):
         split_by_token_budget([1], max_tokens=0)
+
+
+def test_split_further_cuts_the_largest_group_where_its_tokens_are_even():
+    lengths = [3, 4, 2, 9, 1, 1]
+    assert split_further(lengths, [[0, 1, 2], [3, 4, 5]], 2) == [[0, 1, 2], [3, 4, 5]]
+    # [3, 4, 5] (11 tokens) first, as 9 | 1+1; then [0, 1, 2] (9 tokens, the first of the
+    # largest with two sequences or more) as 3 | 4+2 (gap 3, where 3+4 | 2 has gap 5)
+    assert split_further(lengths, [[0, 1, 2], [3, 4, 5]], 3) == [[0, 1, 2], [3], [4, 5]]
+    assert split_further(lengths, [[0, 1, 2], [3, 4, 5]], 4) == [[0], [1, 2], [3], [4, 5]]
+    assert split_further(lengths, [[0, 1, 2, 3, 4, 5]], 6) == [[i] for i in range(6)]
+    with pytest.raises(ValueError, match="7 micro-batches of 6 sequences"):
+        split_further(lengths, [[0, 1, 2, 3, 4, 5]], 7)

@@ -217,6 +217,9 @@ UPDATE_LAYOUTS = [
     ("qwen3_moe", ParallelSizes(tp=2, etp=1), {"budget": 20}),
     ("qwen3_moe", ParallelSizes(ep=2), {"budget": 16}),
     ("qwen3_moe", ParallelSizes(ep=2), {"dp_split": True}),
+    # the ranks' sequences (9+6 and 14+11 tokens) need 1 and 2 micro-batches of 16 tokens: the
+    # first rank splits its one to match, else its expert all-to-alls would wait forever
+    ("qwen3_moe", ParallelSizes(ep=2), {"dp_split": True, "budget": 16}),
 ]
 
 

@@ -267,3 +267,43 @@ def test_multi_turn_episodes_train_with_r3(assets, tmp_path, mode):
         assert step["actor/entropy"] > 0.5  # there are model tokens under the mask
         # 3 turns of <= 6 tokens around two observations of ~20 tokens each
         assert 40 < step["response_length/mean"] <= 80
+
+
+def test_the_tools_demo_learns_to_call_the_calculator(tmp_path):
+    """`megarl demo --tools` in short: the warm-started tiny model (calls the calculator in ~30%
+    of its samples, guesses in the rest) trained with GRPO on `tool_multiply` episodes. The
+    tool-call rate and the reward of the last 20% of steps exceed the first 20%'s by 0.15
+    (measured: calls 0.27 -> 0.97, reward 0.14 -> 0.61 in 15 steps)."""
+    from dataclasses import replace
+
+    from megarl.demo import DEMOS, prepare_demo_assets
+
+    spec = replace(DEMOS["tools"], root=tmp_path / "tools")
+    root = prepare_demo_assets(spec.root, spec=spec)[0].parent
+    steps = 15
+    base = [f"model.path={root / 'model'}", f"data.train_files=[{root / 'data/train.parquet'}]",
+            f"data.val_files=[{root / 'data/val.parquet'}]", f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.loggers=[jsonl]", f"trainer.total_steps={steps}"]
+    cfg, sources = load_config(str(spec.config), base)
+    trainer = Trainer(cfg, sources)
+    try:
+        trainer.setup()
+        history = trainer.fit()
+    finally:
+        trainer.close()
+    k = max(1, steps // 5)
+
+    def rise(key: str) -> tuple[float, float]:
+        values = [m[key] for m in history]
+        return sum(values[:k]) / k, sum(values[-k:]) / k
+
+    (first_score, last_score), (first_calls, last_calls) = (
+        rise("critic/score/mean"), rise("agent/tool_calls/mean"))
+    assert last_calls > first_calls + 0.15, [m["agent/tool_calls/mean"] for m in history]
+    assert last_score > first_score + 0.15, [m["critic/score/mean"] for m in history]
+    first_turns, last_turns = rise("agent/num_turns/mean")
+    assert last_turns > first_turns + 0.15  # an episode that calls the tool has a second turn
+    for m in history:
+        # a call's result comes back (a malformed call is an error observation)
+        assert 1 <= m["agent/num_turns/mean"] <= 2 and m["agent/tool_error_rate"] < 0.25
+    assert (tmp_path / "run" / "run.png").stat().st_size > 10_000
