@@ -18,7 +18,8 @@ from megarl.config.validate import file_problems
 
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
-DEMOS = {"tiny-moe-cpu.yaml", "moe-gpu-demo.yaml"}  # model and data made by `megarl demo`
+# model and data made by `megarl demo`
+DEMOS = {"tiny-moe-cpu.yaml", "moe-gpu-demo.yaml", "tiny-moe-tools.yaml"}
 SIZED = [p for p in SHIPPED if p.name not in DEMOS]
 CARDS = sorted(p for p in (REPO / "configs" / "models").iterdir() if p.is_dir())
 PLACEHOLDER_RULES = {"check_model_weights", "check_data_files"}
@@ -32,7 +33,7 @@ def card_of(path: Path) -> str:
 def test_the_shipped_set():
     assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "moe-gpu-demo", "qwen3-0.6b",
                                          "qwen3-235b-a22b", "qwen3-30b-a3b-32k", "qwen3-30b-a3b",
-                                         "qwen3-8b", "tiny-moe-cpu"]
+                                         "qwen3-8b", "tiny-moe-cpu", "tiny-moe-tools"]
     # every sized config points at a model card, and every card is used
     assert sorted({card_of(p) for p in SIZED}) == [c.name for c in CARDS]
     for path in SHIPPED:
@@ -54,6 +55,21 @@ def test_demo_config_validates_cleanly_against_the_tiny_model(tiny_moe_dir, tmp_
     assert validate_main([str(REPO / "configs" / "tiny-moe-cpu.yaml"), f"model.path={tiny_moe_dir}",
                           f"data.train_files=[{train}]", f"data.val_files=[{val}]"]) == 0
     assert capsys.readouterr().out == "OK\n"
+
+
+def test_tools_demo_config_validates_against_the_tiny_model(tiny_moe_dir, tmp_path, capsys):
+    """The tools demo's config (multi-turn, the calculator tool) against the demo's model
+    architecture (the warm start changes weights only)."""
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.write_bytes(b"")
+    val.write_bytes(b"")
+    assert validate_main([str(REPO / "configs" / "tiny-moe-tools.yaml"),
+                          f"model.path={tiny_moe_dir}", f"data.train_files=[{train}]",
+                          f"data.val_files=[{val}]"]) == 0
+    assert capsys.readouterr().out == "OK\n"
+    cfg, _ = load_config(REPO / "configs" / "tiny-moe-tools.yaml")
+    assert cfg.rollout.multi_turn.enable
+    assert cfg.rollout.multi_turn.tools == ["megarl.rollout.agent:calculator"]
 
 
 def test_gpu_demo_config_validates_before_the_demo_ran(monkeypatch, capsys):

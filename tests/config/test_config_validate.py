@@ -334,7 +334,7 @@ def test_tokenizer_larger_than_vocab_is_rejected(checker, tiny_moe_dir, tmp_path
     problem = checker.find("check_vocab_and_tokenizer", f"model.path={model_dir}",
                            "actor.parallel.ep=4", model=load_model_info(model_dir))
     assert problem.fields == ("model.tokenizer_path", "model.path")
-    assert "token ids up to 90" in problem.line() and "vocab_size is 64" in problem.line()
+    assert "token ids up to 101" in problem.line() and "vocab_size is 64" in problem.line()
 
 
 def test_context_parallel_layouts_that_are_built_pass(checker):

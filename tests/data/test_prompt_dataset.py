@@ -133,11 +133,11 @@ def test_chat_template_failure_names_the_row(tmp_path):
 
 
 def test_vocab_size_and_loading_from_a_model_dir(tmp_path):
-    model = make_tiny_model(tmp_path / "m", arch="qwen3", vocab_size=96)
-    assert model_vocab_size(model) == 96
+    model = make_tiny_model(tmp_path / "m", arch="qwen3", vocab_size=112)
+    assert model_vocab_size(model) == 112
     path = write_rows(tmp_path / "d.jsonl", sample_rows(3))
     ds = load_prompt_dataset(path, model, max_prompt_length=64)
-    assert len(ds) == 3 and ds.vocab_size == 96
+    assert len(ds) == 3 and ds.vocab_size == 112
 
 
 def expect_error(path, tokenizer, *fragments, **kw):

@@ -97,10 +97,50 @@ def test_extraction_rules():
     assert score("synthetic/copy_number", "1 2 9 7", "127") == pytest.approx(2 / 3)
     assert score("synthetic/copy_number", "x7", "127") == 0.0
     assert score("synthetic/copy_number", "<|im_end|>127", "127") == 1.0
+    # tool_multiply: the last integer after the last tool response, never the tool's result
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "38*47"}}</tool_call>'
+    result = "\nuser\n<tool_response>\n1786\n</tool_response>\nassistant\n"
+    assert score("synthetic/tool_multiply", call + result + "1786", "1786") == 1.0
+    assert score("synthetic/tool_multiply", call + result + "1787", "1786") == 0.0
+    assert score("synthetic/tool_multiply", call + result, "1786") == 0.0
+    assert score("synthetic/tool_multiply", "1786", "1786") == 1.0  # a right guess counts
+    assert score("synthetic/tool_multiply", "17 1786", "1786") == 1.0
 
 
 def test_unknown_source_lists_the_known_ones():
     known = ("synthetic/arithmetic, synthetic/counting, synthetic/sorting, synthetic/copy_digit, "
-             "synthetic/copy_number")
+             "synthetic/copy_number, synthetic/tool_multiply")
     with pytest.raises(ValueError, match=f"'openai/gsm8k'; known sources: {known}$"):
         score("openai/gsm8k", "Answer: 1", "1")
+
+
+def test_warm_start_demonstrations_are_agent_loop_episodes():
+    """The warm start's demonstrations hold the tokens an episode of the agent loop would: the
+    calculator call, the tool's result in the Hermes glue (mask 0), the answer; or a guess."""
+    from megarl.data.tiny_model import build_tokenizer
+    from megarl.data.warm_start import demonstrations
+
+    tok = build_tokenizer(128)
+    rows = generate_rows("tool_multiply", 40, seed=3)
+    examples = demonstrations(rows, tok, call_fraction=0.5, seed=0)
+    calls = 0
+    for row, (ids, mask) in zip(rows, examples):
+        a, b = row["prompt"][0]["content"].split()[-1].split("*")
+        answer = row["reward_model"]["ground_truth"]
+        assert answer == str(int(a) * int(b)) and len(ids) == len(mask)
+        prompt = tok.apply_chat_template(row["prompt"], add_generation_prompt=True,
+                                         tokenize=True, return_dict=False)
+        assert ids[:len(prompt)] == list(prompt) and not any(mask[:len(prompt)])
+        trained = tok.decode([i for i, m in zip(ids, mask) if m])
+        shown = tok.decode([i for i, m in zip(ids[len(prompt):], mask[len(prompt):]) if not m])
+        if "<tool_call>" in trained:
+            calls += 1
+            assert trained == ('<tool_call>{"name": "calculator", "arguments": {"expression": "'
+                               f'{a}*{b}"}}}}</tool_call><|im_end|>{answer}<|im_end|>')
+            assert shown == ("\n<|im_start|>user\n<tool_response>\n"
+                             f"{answer}\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+            assert score("synthetic/tool_multiply", tok.decode(ids[len(prompt):],
+                         skip_special_tokens=True), answer) == 1.0
+        else:
+            assert shown == "" and trained.endswith("<|im_end|>") and trained[:-10].isdigit()
+    assert 10 < calls < 30  # about half
