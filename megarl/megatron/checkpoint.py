@@ -31,6 +31,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import multiprocessing as mp
 import os
 import random
 import re
@@ -299,6 +300,32 @@ class PendingSave:
     whose last one publishes the checkpoint."""
 
 
+_WRITE_RESULTS_MANAGER: Any = None
+
+
+def write_results_queue_dies_with_this_process() -> int:
+    """Give megatron's async filesystem writer a results queue whose manager process dies with
+    this one; returns that process's pid.
+
+    megatron creates the queue lazily in a module global, from a ``spawn`` manager process that
+    outlives a SIGKILLed rank (Ray kills workers so), one orphan per rank per run. Started here
+    on megarl's spawner thread with ``PR_SET_PDEATHSIG`` set in the manager, it goes with the
+    process; megatron then finds its global already set."""
+    global _WRITE_RESULTS_MANAGER
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if _WRITE_RESULTS_MANAGER is None:
+        from multiprocessing.managers import SyncManager
+
+        from megarl.children import die_with_parent, in_spawner_thread
+
+        manager = SyncManager(ctx=mp.get_context("spawn"))
+        in_spawner_thread(manager.start, die_with_parent, (os.getpid(),))
+        filesystem_async._results_queue = manager.Queue()
+        _WRITE_RESULTS_MANAGER = manager
+    return _WRITE_RESULTS_MANAGER._process.pid
+
+
 def start_save(
     root: str | Path,
     target: ActorModel | TrainableActor,
@@ -315,6 +342,7 @@ def start_save(
     cpu_compat.enable()
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last={keep_last}: keep at least 1 checkpoint, or None for all")
+    write_results_queue_dies_with_this_process()
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f"{final.name}.tmp-{_agreed_token()}"

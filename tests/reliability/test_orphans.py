@@ -1,6 +1,8 @@
 """A SIGKILLed driver leaves no process behind (issue 20, item 5; about 20 s).
 
-A driver script starts a reward pool and one embedded server, each from a short-lived thread
+A driver script starts a reward pool, one embedded server and the manager process of megatron's
+checkpoint writer results (which megatron would start so that it outlives a killed rank), each
+from a short-lived thread
 (the kernel's parent-death signal follows the thread that forked, so this checks megarl forks
 from one that lives on), says it is ready, and sleeps. The test collects the driver's descendants
 (pool workers, the multiprocessing resource tracker, the server), checks they are alive, SIGKILLs
@@ -38,6 +40,11 @@ if __name__ == "__main__":
         assert made["pool"].run(square, [(3,)], [30.0]) == [9]
         made["servers"] = launch_local_engines(sys.argv[1], 1, num_threads=1,
                                                ready_timeout_s=300)
+        # the manager process of megatron's checkpoint writer results (made at the first save)
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+        from megarl.megatron.checkpoint import write_results_queue_dies_with_this_process
+        made["manager"] = write_results_queue_dies_with_this_process()
+        assert filesystem_async._get_write_results_queue() is filesystem_async._results_queue
     thread = threading.Thread(target=start)
     thread.start()
     thread.join()
@@ -72,7 +79,8 @@ def test_children_die_with_a_sigkilled_driver(model_dir: Path, tmp_path: Path) -
         children = psutil.Process(driver.pid).children(recursive=True)
         pids = [child.pid for child in children]
         alive = _alive(pids)
-        assert len(pids) >= 4, alive  # two workers, the resource tracker, the server
+        # two workers, the resource tracker, the server, the checkpoint writers' manager
+        assert len(pids) >= 5, alive
         assert len(alive) == len(pids), f"children died before the driver: {pids} {alive}"
     finally:
         driver.send_signal(signal.SIGKILL)
