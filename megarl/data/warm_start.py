@@ -46,22 +46,20 @@ def demonstrations(rows: Sequence[dict[str, Any]], tokenizer: Any, call_fraction
         answer = row["reward_model"]["ground_truth"]
         ids, mask = list(prompt), [0] * len(prompt)
 
-        def model(text: str) -> None:
-            turn = codec.encode(text) + [eos]
-            ids.extend(turn)
-            mask.extend([1] * len(turn))
+        def add(text: str, trained: bool, end_turn: bool,
+                ids: list[int] = ids, mask: list[int] = mask) -> None:
+            piece = codec.encode(text) + ([eos] if end_turn else [])
+            ids.extend(piece)
+            mask.extend([int(trained)] * len(piece))
 
         if rng.random() < call_fraction:
-            expression = row["prompt"][0]["content"].split()[-1]
-            call = tool_call_text(expression)
-            model(call)
+            call = tool_call_text(row["prompt"][0]["content"].split()[-1])
+            add(call, trained=True, end_turn=True)
             observation = asyncio.run(env.step(call)).observation
-            glue = codec.encode(hermes_glue(observation, model_ended_turn=True))
-            ids.extend(glue)
-            mask.extend([0] * len(glue))
-            model(answer)
+            add(hermes_glue(observation, model_ended_turn=True), trained=False, end_turn=False)
+            add(answer, trained=True, end_turn=True)
         else:
-            model(str(rng.randint(1000, 9999)))
+            add(str(rng.randint(1000, 9999)), trained=True, end_turn=True)
         out.append((ids, mask))
     return out
 

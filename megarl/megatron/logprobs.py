@@ -28,8 +28,8 @@ from megarl.megatron.packing import (
     PackedBatch,
     pack_sequences,
     split_by_token_budget,
-    split_further,
     split_for_context_parallel,
+    split_further,
 )
 from megarl.megatron.vocab_parallel import vocab_parallel_log_probs
 
