@@ -65,10 +65,16 @@ def _line_panel(ax: Any, rows: Sequence[dict[str, Any]], title: str, names: Sequ
     ax.legend(fontsize=8)
 
 
+# timings that are not a phase of the step's wall clock: ``timing/env`` sums the environment
+# seconds of all episodes, which run concurrently inside generation
+NOT_PHASES = {"timing/step", "timing/env"}
+
+
 def _timing_panel(ax: Any, rows: Sequence[dict[str, Any]]) -> None:
-    """Stacked seconds per phase (``timing/*`` except ``timing/step``), with the step total."""
+    """Stacked seconds per phase (``timing/*`` except :data:`NOT_PHASES`), with the step
+    total."""
     phases = sorted({k for row in rows for k in row
-                     if k.startswith("timing/") and k != "timing/step"})
+                     if k.startswith("timing/") and k not in NOT_PHASES})
     total = _series(rows, "timing/step")
     title = "step time breakdown"
     if not phases and total is None:

@@ -57,3 +57,13 @@ def test_missing_panels_say_not_logged():
     assert texts[3] == ("step time breakdown (no phase timings logged)", "")
     empty = panel_texts(draw_run([{"step": 1}]))
     assert all("not logged" in text for _, text in empty)
+
+
+def test_episode_seconds_are_not_stacked_as_a_phase():
+    """``timing/env`` sums the environment time of concurrent episodes (inside generation): it
+    is no slice of the step's wall clock, so the breakdown leaves it out."""
+    rows = [{"step": i, "timing/gen": 2.0, "timing/env": 40.0, "timing/step": 2.5}
+            for i in (1, 2)]
+    ax = draw_run(rows).axes[3]
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["gen", "step (total)"]
