@@ -12,12 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.local.launch import launch_local_engines
-
-torch.set_num_threads(1)
 
 PROMPT = [5, 6, 7, 8]
 SP = {"max_new_tokens": 3, "temperature": 1.0}

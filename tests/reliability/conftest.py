@@ -5,11 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from megarl.data.tiny_model import make_tiny_model
-
-torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

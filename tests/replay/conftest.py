@@ -22,8 +22,6 @@ from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.sglang.client import SGLangClient
 
-torch.set_num_threads(1)
-
 NUM_PROMPTS, N, MAX_NEW_TOKENS = 8, 2, 16
 
 

@@ -15,8 +15,6 @@ from megarl.rollout.process import ManagedServer
 CONTEXT_LENGTH = 512  # max_position_embeddings of the tiny models
 HEALTH_CHECK_TIMEOUT_S = 1.0  # how long /health waits while paused (SGLang: 20 s)
 
-torch.set_num_threads(1)
-
 
 def _serve(model_dir: Path, log_dir: Path, seed: int | None = 0) -> Iterator[ManagedServer]:
     servers = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=log_dir, seed=seed,

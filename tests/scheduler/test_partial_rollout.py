@@ -29,7 +29,6 @@ from megarl.scheduler.queue import SampleGroup, SampleQueue
 from megarl.scheduler.rollouter import PromptJob, RolloutCounters, Rollouter, StalenessBudget
 from megarl.scheduler.staleness import token_versions
 
-torch.set_num_threads(1)
 PROMPTS = [[5, 17, 33], [9, 9, 40, 41, 42, 7, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
 TEMPERATURE = 0.8
 

@@ -404,9 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def create_state(args: argparse.Namespace, api_key: str | None = None) -> ServerState:
-    """Load the model and start the engine thread; ``api_key`` guards every endpoint."""
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    """Load the model and start the engine thread; ``api_key`` guards every endpoint. It leaves
+    the calling process's torch settings alone (``--num-threads`` is applied by
+    :func:`serve_main`, which owns its process)."""
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                          context_length=args.context_length,
                          trust_remote_code=args.trust_remote_code)
@@ -460,6 +460,8 @@ def serve_main(argv: list[str]) -> int:
               "pytorch_model*.bin) there; pass the HF checkpoint directory, not a model card",
               file=sys.stderr)
         return 2
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
     state = create_state(args, api_key)
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
