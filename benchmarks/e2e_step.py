@@ -249,7 +249,7 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
         f"data.max_response_length={args.max_response}",
         f"reward.function={Path(__file__).resolve()}:score", "reward.num_workers=0",
         "actor.parallel.ep=1", "resources.train_pool.gpus_per_node=1", "ray.address=local",
-        f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}"]
+        f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}", *args.set]
     cfg, sources = load_config(str(spec.config), overrides)
     trainer = Trainer(cfg, sources)
     history: list[dict[str, float]] = []
@@ -530,6 +530,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--trl", choices=["on", "off"], default="on")
     p.add_argument("--trl-vllm", action="store_true", help="TRL with vLLM colocated generation")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and lengths (CPU, CI)")
+    p.add_argument("--set", nargs="*", default=[], metavar="a.b.c=value",
+                   help="megarl config overrides, after the benchmark's own (e.g. the memory "
+                        "knobs: actor.recompute.granularity=full)")
     p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:

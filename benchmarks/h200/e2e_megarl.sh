@@ -1,0 +1,13 @@
+# One shape of benchmarks/e2e_step.py, megarl's side only, with the memory knobs given as
+# arguments; JSON, PNG, metrics and log to $OUT.   usage: e2e_megarl.sh SHAPE [a.b=c ...]
+source benchmarks/h200/setup.sh
+shape=$1; shift
+set -o pipefail
+timeout ${E2E_TIMEOUT:-480} python3 benchmarks/e2e_step.py --shape "$shape" --trl off \
+  --out /tmp/e2e --set "$@" 2>&1 | tee $OUT/e2e_$shape.log | grep -v -i "warn" | tail -60
+rc=$?
+cp /tmp/e2e/e2e_step.json $OUT/e2e_step_$shape.json 2>/dev/null
+cp /tmp/e2e/e2e_step.png $OUT/e2e_step_$shape.png 2>/dev/null
+cp /tmp/e2e/$shape/megarl/metrics.jsonl $OUT/metrics_$shape.jsonl 2>/dev/null
+nvidia-smi --query-gpu=memory.used --format=csv
+exit $rc
