@@ -11,6 +11,10 @@ every worker process to niceness 15: the train ranks and engines then get a few 
 that anything else at normal priority wants (megarl's own driver and reward processes, another
 job), so on a busy machine each phase runs many times slower than the same step without Ray and
 runs into its timeout.
+
+A local instance started here also goes with its driver: Ray kills its head processes when the
+driver dies, and a watchdog (:mod:`megarl.cluster.ray_reaper`) kills the raylet's agents, which
+would otherwise outlive a SIGKILLed driver by a minute or more.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from megarl.cluster.errors import RayStartError
+from megarl.cluster.ray_reaper import start_reaper
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +146,20 @@ def init_ray(
                 "allocated to this job")
         raise RayStartError(f"could not start a local Ray instance (num_cpus={num_cpus}): "
                             f"{err}\nfix: {hint}") from err
-    return _runtime(started_here=True)
+    runtime = _runtime(started_here=True)
+    _reap_agents_with_this_process(runtime.gcs_address)
+    return runtime
+
+
+def _reap_agents_with_this_process(gcs_address: str) -> None:
+    """Start the watchdog that kills the agents of the local raylet of ``gcs_address`` when this
+    process dies (or when that raylet stops)."""
+    raylets = [r for r in find_local_ray() if r.gcs_address == gcs_address]
+    if not raylets:
+        logger.warning("no raylet of the local Ray at %s found: its agents may outlive this "
+                       "process if it is killed", gcs_address)
+        return
+    start_reaper(raylets[0].raylet_pid)
 
 
 def _warn_ignored_num_cpus(num_cpus: int | None, target: str) -> None:
