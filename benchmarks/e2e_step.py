@@ -50,14 +50,17 @@ from megarl.rollout.sglang.client import SGLangClient
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN3_VOCAB = 151936
+QWEN3_CONTEXT = 40960  # max_position_embeddings of Qwen3-1.7B and Qwen3-30B-A3B
 SHAPES: dict[str, dict[str, Any]] = {
     "dense": {"arch": "qwen3", "hidden_size": 2048, "num_hidden_layers": 28,
               "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
-              "intermediate_size": 6144, "vocab_size": QWEN3_VOCAB, "tie_word_embeddings": False},
+              "intermediate_size": 6144, "vocab_size": QWEN3_VOCAB, "tie_word_embeddings": False,
+              "max_position_embeddings": QWEN3_CONTEXT},
     "moe": {"arch": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 8,
             "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
             "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
-            "moe_intermediate_size": 768, "vocab_size": QWEN3_VOCAB},
+            "moe_intermediate_size": 768, "vocab_size": QWEN3_VOCAB,
+            "max_position_embeddings": QWEN3_CONTEXT},
 }
 SMOKE_SHAPES: dict[str, dict[str, Any]] = {
     "dense": {"arch": "qwen3", "hidden_size": 64, "num_hidden_layers": 2,
@@ -454,6 +457,11 @@ def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
     out["other_s"] = step_s - sum(out[k] for k in ("gen_s", "old_log_prob_s", "update_actor_s",
                                                     "sync_s", "release_s", "resume_s", "reward_s"))
     out["phases_not_run"] = missing
+    trained = out["trained_response_length"]
+    if abs(trained - out["mean_response_length"]) > 1e-6 * out["mean_response_length"]:
+        out["error"] = (f"megarl trained on responses of mean {trained:.1f} tokens, but the "
+                        f"forced mean is {out['mean_response_length']:.1f}: the engine cut them "
+                        "(context length?); every per-token figure of this run is wrong")
     if "walls" in trl:
         out["trl_mean_completion_length"] = mean(trl["mean_completion_length"])
         out["trl_step_s"] = mean(trl["walls"])
@@ -564,6 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         trl = run_trl(args, shape, model, rows_path) if args.trl == "on" else {"skipped": "--trl off"}
         results[shape] = summarize(args, model, prompts, floors, megarl, trl)
         print(json.dumps({shape: results[shape]}, indent=1), flush=True)
+        if "error" in results[shape]:
+            print(f"error: {shape}: {results[shape]['error']}", file=sys.stderr, flush=True)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     (args.out / "e2e_step.json").write_text(json.dumps(
         {"settings": settings, "floors": floors, "results": results}, indent=2))
@@ -579,7 +589,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['update_actor_mfu']:>9.1%}{r['sync_copy_fraction']:>10.1%}"
               f"{r.get('trl_step_s', float('nan')):>8.2f}{r.get('megarl_over_trl', float('nan')):>7.1f}")
     print(f"wrote {args.out / 'e2e_step.json'} and {args.out / 'e2e_step.png'}")
-    return 0
+    return 1 if any("error" in r for r in results.values()) else 0
 
 
 if __name__ == "__main__":

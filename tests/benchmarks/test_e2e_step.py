@@ -55,3 +55,35 @@ def test_smoke_step_runs_both_systems_on_the_same_forced_lengths(tmp_path):
     assert "timing/release_rollout" in r["phases_not_run"]
     assert report["floors"]["matmul_flops"] > 0 and report["floors"]["copy_bytes_per_s"] > 0
     assert (tmp_path / "e2e_step.png").stat().st_size > 10_000
+
+
+def test_the_shapes_hold_the_longest_default_sequence():
+    """The H200 shapes' context covers a default prompt plus the longest forced response: with
+    the tiny models' 512 positions the engine cut every response at the context, and the run
+    measured 134-token answers while reporting 651 (caught by the summary's error since)."""
+    bench = load("e2e_step")
+    args = bench.parse([])
+    longest = args.prompt_len[1] + args.max_response
+    for name, shape in bench.SHAPES.items():
+        assert shape["max_position_embeddings"] >= longest, name
+
+
+def test_a_run_whose_engine_cut_the_responses_is_reported_as_wrong(tmp_path):
+    from megarl.data.tiny_model import make_tiny_model
+
+    bench = load("e2e_step")
+    args = bench.parse(["--smoke", "--device", "cpu"])
+    model = make_tiny_model(tmp_path / "model", arch="qwen3")
+    prompts = [[5, 6, 7], [8, 9]]
+    forced = [bench.response_length(p, j, args.median, args.sigma, args.max_response)
+              for p in prompts for j in range(args.n)]
+    metrics = {"response_length/mean": sum(forced) / len(forced) / 2, "timing/gen": 1.0,
+               "timing/old_log_prob": 1.0, "timing/update_actor": 1.0,
+               "timing/sync_weights": 1.0}
+    floors = {"copy_bytes_per_s": 1e9, "matmul_flops": 1e12}
+    run = {"walls": [5.0], "metrics": [metrics]}
+    out = bench.summarize(args, model, prompts, floors, run, {"skipped": "--trl off"})
+    assert "the engine cut them" in out["error"]
+    metrics["response_length/mean"] = sum(forced) / len(forced)
+    out = bench.summarize(args, model, prompts, floors, run, {"skipped": "--trl off"})
+    assert "error" not in out
