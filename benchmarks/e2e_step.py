@@ -457,6 +457,8 @@ def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
     out["other_s"] = step_s - sum(out[k] for k in ("gen_s", "old_log_prob_s", "update_actor_s",
                                                     "sync_s", "release_s", "resume_s", "reward_s"))
     out["phases_not_run"] = missing
+    out["memory_gb"] = {k.removeprefix("perf/"): max(row[k] for row in m if k in row)
+                        for k in sorted({k for row in m for k in row}) if k.startswith("perf/")}
     trained = out["trained_response_length"]
     if abs(trained - out["mean_response_length"]) > 1e-6 * out["mean_response_length"]:
         out["error"] = (f"megarl trained on responses of mean {trained:.1f} tokens, but the "
