@@ -15,6 +15,13 @@ One step (``colocate_sync``), read top to bottom in :meth:`Trainer.step`:
 7. stream the new weights to every engine; ``weight_version += 1``;
 8. log metrics, run the health monitor.
 
+Colocated (``rollout.colocate``), memory changes hands around steps 3-7: the engines release
+their KV cache and weights; the actor trains, offloads its gradients and optimizer state
+(``actor.offload.*``, on by default when colocated) and hands its allocator cache back to the
+driver; the engines resume their weights; the sync writes into them (then the actor's
+parameters are offloaded when ``param_offload`` is on) and the actor hands back its cache again,
+the sync's buckets included; the engines resume their KV cache.
+
 Steps 2 (:meth:`Trainer.rollout`), 3-6 (:meth:`Trainer.train_on`) and 7
 (:meth:`Trainer.sync_weights`) are written once; ``scheduler.mode`` picks a scheduler
 (:mod:`megarl.scheduler`) that only decides what overlaps with what: ``one_step_off`` trains
@@ -269,17 +276,26 @@ class Trainer:
         if self.cfg.rollout.colocate:
             with timer("release_rollout", metrics):  # the engines leave the devices to training
                 self.engine_memory("release", ["kv_cache", "weights"])
-        self.train_on(batch, metrics)
+        self.train_on(batch, metrics)  # offloads what actor.offload switches on
         if self.cfg.rollout.colocate:
             with timer("resume_rollout", metrics):  # weights first: the sync writes into them
+                self.free_train_cache()
                 self.engine_memory("resume", ["weights"])
         with timer("sync_weights", metrics):
-            metrics.update(self.sync_weights())
+            metrics.update(self.sync_weights())  # then offloads the parameters if configured
         if self.cfg.rollout.colocate:
-            with timer("resume_rollout_kv", metrics):
+            with timer("resume_rollout_kv", metrics):  # the sync's buckets were cached blocks
+                self.free_train_cache()
                 self.engine_memory("resume", ["kv_cache"])
         self.end_step(batch, metrics, start)
         return metrics
+
+    def free_train_cache(self) -> None:
+        """Every train-pool process (actor, critic) hands its allocator's cached blocks back to
+        the driver, so that colocated engines can resume into them."""
+        self.workers.actor.execute_all("free_cache")
+        if self.workers.critic is not None:
+            self.workers.critic.group.execute_all("free_cache")
 
     def engine_memory(self, action: str, tags: list[str]) -> None:
         """Release or resume (``action``) the engines' memory regions ``tags`` (SGLang's
@@ -330,7 +346,10 @@ class Trainer:
         """Close a step that began at ``start`` (``time.perf_counter()``): its wall time, the
         batch metrics, and the step counter."""
         metrics["timing/step"] = time.perf_counter() - start
-        metrics.update(memory_metrics(self.workers.actor.execute_all("memory_stats")))
+        stats = self.workers.actor.execute_all("memory_stats")
+        metrics.update(memory_metrics([s["peaks"] for s in stats]))
+        for name in ("offload_actor", "reload_actor"):  # seconds inside the step, max over ranks
+            metrics[f"timing/{name}"] = max(s["seconds"][name] for s in stats)
         metrics.update(self.batch_metrics(batch, metrics))
         self.steps_done += 1
 
