@@ -18,7 +18,8 @@ over every rank), and the same per phase with the phase's name appended
 (``perf/max_memory_allocated_gb/update_actor``, ``perf/device_used_gb/sync_weights``).
 
 Between phases, :func:`free_cached_memory` hands the caching allocator's unused blocks back to
-the driver (colocated engines resume into them).
+the driver (colocated engines resume into them), and :func:`device_memory_report` says who holds
+a device's memory when an allocation failed.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import contextlib
 import gc
 import os
 import re
+import subprocess
 from collections.abc import Iterator
 
 import torch
@@ -52,6 +54,9 @@ PHASE_KNOBS: dict[str, tuple[str, ...]] = {
                       "critic.offload.grad_offload"),
     "sync_weights": ("checkpoint_engine.bucket_size_mb", "actor.offload.optimizer_offload",
                      "actor.offload.grad_offload", "rollout.gpu_memory_utilization"),
+    "resume_rollout": ("actor.offload.optimizer_offload", "actor.offload.grad_offload",
+                       "actor.offload.param_offload", "rollout.gpu_memory_utilization",
+                       "checkpoint_engine.bucket_size_mb", "critic.offload"),
 }
 """Per phase, the config fields that lower its memory, the most effective first."""
 
@@ -169,6 +174,51 @@ def free_cached_memory() -> dict[str, int]:
     after = torch.cuda.memory_reserved() if cuda else int(_rss_gb() * GB)
     return {"before": int(before), "after": int(after)}
 
+
+def device_memory_report(device: torch.device | str) -> tuple[int, int, str]:
+    """(free bytes, total bytes, who holds the memory) of ``device``, best effort: on CUDA
+    ``torch.cuda.mem_get_info`` and the processes NVML (or ``nvidia-smi``) lists on it; on the
+    CPU the host's available and total memory, with no list of processes."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return *_host_memory(), "n/a (not a CUDA device)"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    return free, total, _gpu_processes(index)
+
+
+def _host_memory() -> tuple[int, int]:
+    """(available, total) bytes of host memory from /proc/meminfo ((0, 0) without it)."""
+    fields: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                fields[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return fields.get("MemAvailable", 0), fields.get("MemTotal", 0)
+
+
+def _gpu_processes(index: int) -> str:
+    """The processes on GPU ``index`` and the memory each uses, on one line."""
+    try:
+        text = torch.cuda.list_gpu_processes(index)
+    except Exception as err:  # noqa: BLE001 - NVML's own errors; nvidia-smi is asked next
+        text = f"pynvml: {err}"
+    lines = [line.strip() for line in text.splitlines()[1:] if line.strip()]
+    if lines and "pynvml" not in text:
+        return "; ".join(lines)
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    try:
+        query = "--query-compute-apps=gpu_uuid,pid,process_name,used_memory"
+        out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"unknown ({type(err).__name__} from nvidia-smi; {text.strip()})"
+    apps = [row.split(", ", 1)[1] for row in out.splitlines()
+            if ", " in row and (not uuid or uuid in row.split(", ", 1)[0])]
+    return "; ".join(apps) or "no compute processes listed"
 
 
 def find_out_of_memory(err: BaseException) -> PhaseOutOfMemory | None:

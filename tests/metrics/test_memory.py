@@ -55,6 +55,16 @@ def test_oom_in_a_worker_phase_reaches_the_driver_as_one_message(monkeypatch, ph
         pass
 
 
+def test_an_engine_that_cannot_resume_names_the_knobs_of_the_hand_off():
+    """resume_rollout's knobs: what the train side keeps, the engines' share, the sync's
+    bucket (its cached blocks are what the engine resumes into)."""
+    text = str(PhaseOutOfMemory("resume_rollout", "rollout engine http://h:1", "asked 1 bytes"))
+    for knob in ("actor.offload.optimizer_offload", "actor.offload.grad_offload",
+                 "actor.offload.param_offload", "rollout.gpu_memory_utilization",
+                 "checkpoint_engine.bucket_size_mb"):
+        assert knob in text
+
+
 def test_update_knobs_and_pickling():
     """The update's message lists micro-batch, recompute and offload; the error pickles."""
     err = PhaseOutOfMemory("update_actor", "actor rank 0", "CUDA out of memory")
