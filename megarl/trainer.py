@@ -672,16 +672,34 @@ def startup_text(cfg: RunConfig) -> list[str]:
     return [f"megarl: {line}" for line in startup_estimates(cfg, ctx.model, ctx.sizes)]
 
 
+def preflight_refuses(cfg: RunConfig, first: bool) -> bool:
+    """The device preflight (``trainer.preflight``, :mod:`megarl.memory_preflight`): print its
+    lines (the refusal on every process, the rest on the ``first`` only); whether it refuses."""
+    from megarl.config.validate import build_context
+    from megarl.memory_preflight import device_preflight
+
+    lines, refused = device_preflight(cfg, build_context(cfg).model)
+    if refused:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    elif lines and first:
+        print("\n".join(f"megarl: {line}" for line in lines), flush=True)
+    return refused
+
+
 def train_main(argv: list[str]) -> int:
-    """``megarl train --config CONFIG [overrides]``; exit 2 on an invalid config."""
+    """``megarl train --config CONFIG [overrides]``; exit 2 on an invalid config or one whose
+    phases do not fit the GPUs' free memory (the preflight)."""
     args = _parse(argv)
     loaded = load_run_config(args.config, args.overrides,
                              echo=lambda line: print(line, file=sys.stderr))
     if loaded is None:
         return 2
     cfg, sources = loaded
-    if os.environ.get("RANK", "0") == "0":  # once, not by every torchrun rank
+    first = os.environ.get("RANK", "0") == "0"  # prints once, not by every torchrun rank
+    if first:
         print("\n".join(startup_text(cfg)), flush=True)
+    if preflight_refuses(cfg, first):  # before any worker starts
+        return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from megarl.cluster import init_naive, torchrun_world_size
 

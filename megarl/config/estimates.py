@@ -350,6 +350,14 @@ def estimate(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes) -> Estimates
                      gpu_memory=None if mem is None else int(mem * GB))
 
 
+def phase_estimates(est: Estimates) -> dict[str, int]:
+    """Bytes one GPU needs at the peak of each phase (the names of :mod:`megarl.memory`), what
+    the other roles hold meanwhile included: the colocated engine's weights and KV cache next
+    to what the train roles keep while it generates; the engine's weights during the sync;
+    nothing of the engine's during the update, which it released."""
+    phases = {"gen": est.engine.total} if est.engine is not None else {}
+    return {**phases, "update_actor": est.update.total, "sync_weights": est.sync}
+
 
 # ---------------------------------------------------------------------------------------------
 # Display

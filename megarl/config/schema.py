@@ -361,6 +361,10 @@ class TrainerConfig(Section):
         "stop the run after this many actor updates in a row were skipped for a non-finite "
         "loss or gradient, naming the step and the batch's first prompts (each skipped update "
         "keeps the last good weights and logs a warning); 0 = never stop"))
+    preflight: bool = Field(True, description=(
+        "on GPUs, before any worker starts, hold every phase's memory estimate (`megarl config "
+        "show`) against each visible GPU's free memory and refuse a run that cannot fit (exit "
+        "2, one line per phase with the knobs that lower it); false = skip the check"))
 
 
 class RewardConfig(Section):

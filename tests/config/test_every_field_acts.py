@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import megarl.trainer as trainer_module
-from megarl import trainer_checkpoint, trainer_setup
+from megarl import memory_preflight, trainer_checkpoint, trainer_setup
 from megarl.config import load_config_dict, validate_config
 from megarl.config.derived import derive_sizes
 from megarl.config.estimates import estimate
@@ -378,6 +378,7 @@ FIELDS: dict[str, Row] = {
     "trainer.phase_timeout_s": reads(trainer_module),
     "trainer.seed": spec(7, "actor.seed"),
     "trainer.max_nonfinite_updates": reads(Trainer.__init__),
+    "trainer.preflight": reads(memory_preflight.device_preflight),
     # reward
     "reward.function": reads(Trainer.setup),
     "reward.batched": reads(Trainer.setup),
