@@ -15,6 +15,13 @@ One step (``colocate_sync``), read top to bottom in :meth:`Trainer.step`:
 7. stream the new weights to every engine; ``weight_version += 1``;
 8. log metrics, run the health monitor.
 
+Colocated (``rollout.colocate``), memory changes hands around steps 3-7: the engines release
+their KV cache and weights; the actor trains, offloads its gradients and optimizer state
+(``actor.offload.*``, on by default when colocated) and hands its allocator cache back to the
+driver; the engines resume their weights; the sync writes into them (then the actor's
+parameters are offloaded when ``param_offload`` is on) and the actor hands back its cache again,
+the sync's buckets included; the engines resume their KV cache.
+
 Steps 2 (:meth:`Trainer.rollout`), 3-6 (:meth:`Trainer.train_on`) and 7
 (:meth:`Trainer.sync_weights`) are written once; ``scheduler.mode`` picks a scheduler
 (:mod:`megarl.scheduler`) that only decides what overlaps with what: ``one_step_off`` trains
@@ -269,17 +276,26 @@ class Trainer:
         if self.cfg.rollout.colocate:
             with timer("release_rollout", metrics):  # the engines leave the devices to training
                 self.engine_memory("release", ["kv_cache", "weights"])
-        self.train_on(batch, metrics)
+        self.train_on(batch, metrics)  # offloads what actor.offload switches on
         if self.cfg.rollout.colocate:
             with timer("resume_rollout", metrics):  # weights first: the sync writes into them
+                self.free_train_cache()
                 self.engine_memory("resume", ["weights"])
         with timer("sync_weights", metrics):
-            metrics.update(self.sync_weights())
+            metrics.update(self.sync_weights())  # then offloads the parameters if configured
         if self.cfg.rollout.colocate:
-            with timer("resume_rollout_kv", metrics):
+            with timer("resume_rollout_kv", metrics):  # the sync's buckets were cached blocks
+                self.free_train_cache()
                 self.engine_memory("resume", ["kv_cache"])
         self.end_step(batch, metrics, start)
         return metrics
+
+    def free_train_cache(self) -> None:
+        """Every train-pool process (actor, critic) hands its allocator's cached blocks back to
+        the driver, so that colocated engines can resume into them."""
+        self.workers.actor.execute_all("free_cache")
+        if self.workers.critic is not None:
+            self.workers.critic.group.execute_all("free_cache")
 
     def engine_memory(self, action: str, tags: list[str]) -> None:
         """Release or resume (``action``) the engines' memory regions ``tags`` (SGLang's
@@ -330,7 +346,10 @@ class Trainer:
         """Close a step that began at ``start`` (``time.perf_counter()``): its wall time, the
         batch metrics, and the step counter."""
         metrics["timing/step"] = time.perf_counter() - start
-        metrics.update(memory_metrics(self.workers.actor.execute_all("memory_stats")))
+        stats = self.workers.actor.execute_all("memory_stats")
+        metrics.update(memory_metrics([s["peaks"] for s in stats]))
+        for name in ("offload_actor", "reload_actor"):  # seconds inside the step, max over ranks
+            metrics[f"timing/{name}"] = max(s["seconds"][name] for s in stats)
         metrics.update(self.batch_metrics(batch, metrics))
         self.steps_done += 1
 
@@ -653,16 +672,34 @@ def startup_text(cfg: RunConfig) -> list[str]:
     return [f"megarl: {line}" for line in startup_estimates(cfg, ctx.model, ctx.sizes)]
 
 
+def preflight_refuses(cfg: RunConfig, first: bool) -> bool:
+    """The device preflight (``trainer.preflight``, :mod:`megarl.memory_preflight`): print its
+    lines (the refusal on every process, the rest on the ``first`` only); whether it refuses."""
+    from megarl.config.validate import build_context
+    from megarl.memory_preflight import device_preflight
+
+    lines, refused = device_preflight(cfg, build_context(cfg).model)
+    if refused:
+        print("\n".join(lines), file=sys.stderr, flush=True)
+    elif lines and first:
+        print("\n".join(f"megarl: {line}" for line in lines), flush=True)
+    return refused
+
+
 def train_main(argv: list[str]) -> int:
-    """``megarl train --config CONFIG [overrides]``; exit 2 on an invalid config."""
+    """``megarl train --config CONFIG [overrides]``; exit 2 on an invalid config or one whose
+    phases do not fit the GPUs' free memory (the preflight)."""
     args = _parse(argv)
     loaded = load_run_config(args.config, args.overrides,
                              echo=lambda line: print(line, file=sys.stderr))
     if loaded is None:
         return 2
     cfg, sources = loaded
-    if os.environ.get("RANK", "0") == "0":  # once, not by every torchrun rank
+    first = os.environ.get("RANK", "0") == "0"  # prints once, not by every torchrun rank
+    if first:
         print("\n".join(startup_text(cfg)), flush=True)
+    if preflight_refuses(cfg, first):  # before any worker starts
+        return 2
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from megarl.cluster import init_naive, torchrun_world_size
 

@@ -34,7 +34,8 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   architecture) keep what they do not offload. ``offload.*`` moves weights, grads or optimizer
   state to host memory while a role is idle, so it lowers the weight sync and the colocated
   rollout, not the update itself. Colocated engines release their memory during the update.
-* Weight sync: what the actor keeps while idle + one bucket (+ the engine's weights, colocated).
+* Weight sync: what the actor keeps while idle, its weights always (the sync reads them; param
+  offload starts after it) + one bucket (+ the engine's weights, colocated).
 * Rollout GPU: engine weights = params x bytes(rollout.dtype) / gpus_per_engine; the KV-cache pool
   is the rest of gpu_memory x gpu_memory_utilization (SGLang's mem_fraction_static); colocated
   engines share the GPU with what the train roles keep.
@@ -151,6 +152,8 @@ class Estimates:
     params: ParamCounts
     update: UpdateMemory
     actor_resident: int
+    sync_actor: int
+    """What the actor holds during the weight sync: what it keeps idle, plus its weights."""
     bucket: int
     sync: int
     engine: EngineMemory | None
@@ -336,14 +339,24 @@ def estimate(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes) -> Estimates
     other = idle_roles_bytes(cfg, model, sizes, vocab)
     update = update_memory(cfg, model, sizes, vocab, other)
     actor_resident = update.state.resident(cfg.actor.offload)
+    sync_actor = actor_resident + (update.state.weights if cfg.actor.offload.param_offload else 0)
     engine = engine_memory(cfg, model, sizes, actor_resident + other)
     bucket = cfg.checkpoint_engine.bucket_size_mb * 2**20
-    sync = actor_resident + other + bucket + (
+    sync = sync_actor + other + bucket + (
         engine.weights if engine is not None and engine.colocated else 0)
     mem = cfg.resources.gpu_memory_gb
     return Estimates(params=ParamCounts.of(model), update=update, actor_resident=actor_resident,
-                     bucket=bucket, sync=sync, engine=engine,
+                     sync_actor=sync_actor, bucket=bucket, sync=sync, engine=engine,
                      gpu_memory=None if mem is None else int(mem * GB))
+
+
+def phase_estimates(est: Estimates) -> dict[str, int]:
+    """Bytes one GPU needs at the peak of each phase (the names of :mod:`megarl.memory`), what
+    the other roles hold meanwhile included: the colocated engine's weights and KV cache next
+    to what the train roles keep while it generates; the engine's weights during the sync;
+    nothing of the engine's during the update, which it released."""
+    phases = {"gen": est.engine.total} if est.engine is not None else {}
+    return {**phases, "update_actor": est.update.total, "sync_weights": est.sync}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,7 +404,7 @@ def _update_rows(cfg: RunConfig, est: Estimates) -> list[tuple[str, str]]:
               f"{count(st.expert_params)} expert params per GPU; {u.tokens_per_micro_batch} "
               f"tokens per micro-batch x {u.micro_batches_in_flight:g} in flight; recompute "
               f"{recompute}")),
-        ("weight sync", (f"actor kept {size(est.actor_resident)}"
+        ("weight sync", (f"actor {size(est.sync_actor)}"
                          + (f" + idle ref/critic {size(u.other_roles)}" if u.other_roles else "")
                          + f" + bucket {size(est.bucket)}{sync_engine} = {size(est.sync)}")),
     ]

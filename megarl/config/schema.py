@@ -361,6 +361,10 @@ class TrainerConfig(Section):
         "stop the run after this many actor updates in a row were skipped for a non-finite "
         "loss or gradient, naming the step and the batch's first prompts (each skipped update "
         "keeps the last good weights and logs a warning); 0 = never stop"))
+    preflight: bool = Field(True, description=(
+        "on GPUs, before any worker starts, hold every phase's memory estimate (`megarl config "
+        "show`) against each visible GPU's free memory and refuse a run that cannot fit (exit "
+        "2, one line per phase with the knobs that lower it); false = skip the check"))
 
 
 class RewardConfig(Section):
@@ -405,7 +409,8 @@ DERIVED_FIELDS: tuple[str, ...] = (
     "ref.parallel", "ref.log_prob_micro_batch_size_per_gpu", "critic.enabled",
     "critic.model_path", "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
     "critic.ppo_epochs", "critic.parallel", "rollout.enable_return_routed_experts",
-    "rollout.dtype",
+    "rollout.dtype", "actor.offload.grad_offload", "actor.offload.optimizer_offload",
+    "critic.offload.grad_offload", "critic.offload.optimizer_offload",
 )
 
 
@@ -447,6 +452,11 @@ class RunConfig(Section):
             self.rollout.enable_return_routed_experts = actor.router_replay.mode == "R3"
         if self.rollout.dtype is None:
             self.rollout.dtype = self.model.dtype
+        for offload in (actor.offload, self.critic.offload):  # colocated: off the GPU
+            if offload.grad_offload is None:
+                offload.grad_offload = self.rollout.colocate
+            if offload.optimizer_offload is None:
+                offload.optimizer_offload = self.rollout.colocate
         return self
 
     def _fill_critic(self) -> None:

@@ -96,16 +96,20 @@ class OptimConfig(Section):
 class OffloadConfig(Section):
     """What a trained role moves to host memory between its phases (verl's Megatron offload):
     while the engines generate, brought back by the phase that needs it. The critic keeps what
-    is switched on in host memory outside its two phases (values, update)."""
+    is switched on in host memory outside its two phases (values, update). Gradients and
+    optimizer state follow ``rollout.colocate`` unless set: colocated engines need the memory
+    back (slime turns train offload on with ``--colocate`` for the same reason)."""
 
     param_offload: bool = Field(False, description=(
-        "keep parameters in host memory (pinned) from the weight sync to the next old-log-prob "
-        "forward"))
-    grad_offload: bool = Field(False, description=(
+        "keep parameters in host memory (pinned) from the end of the weight sync to the next "
+        "forward (old log-probs, values or a checkpoint); off by default"))
+    grad_offload: bool | None = Field(None, description=(
         "free the gradient buffers from the end of an update to the next (they are zeroed "
-        "before every update, so nothing is copied)"))
-    optimizer_offload: bool = Field(False, description=(
-        "keep fp32 main params and Adam states in host memory (pinned) between updates"))
+        "before every update, so nothing is copied); null = on when `rollout.colocate` is true "
+        "(the engines use the memory while they generate), off with a separate rollout pool"))
+    optimizer_offload: bool | None = Field(None, description=(
+        "keep fp32 main params and Adam states in host memory (pinned) between updates; null "
+        "= on when `rollout.colocate` is true, off with a separate rollout pool"))
 
 
 def is_loopback_host(host: str) -> bool:

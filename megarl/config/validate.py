@@ -327,10 +327,16 @@ def check_offload_param_and_optimizer(ctx: Context) -> Iterator[Problem]:
     for role, offload in (("actor", ctx.cfg.actor.offload), ("critic", ctx.cfg.critic.offload)):
         if offload.param_offload and offload.optimizer_offload and (
                 role == "actor" or ctx.cfg.critic.enabled):
-            yield warning((f"{role}.offload.param_offload", f"{role}.offload.optimizer_offload"),
+            field = f"{role}.offload.optimizer_offload"
+            derived = ctx.sources.get(field) == "derived"
+            why = " (optimizer offload is on by default with rollout.colocate=true)" if (
+                derived) else ""
+            fix = (f"keep one: drop {role}.offload.param_offload, or set {field}=false; "
+                   if derived else "keep one: ")
+            yield warning((f"{role}.offload.param_offload", field),
                           "param and optimizer offload together are slower and need more memory "
-                          "than either alone", f"keep one: {role}.offload.optimizer_offload=true "
-                          "alone usually frees the most GPU memory")
+                          f"than either alone{why}", f"{fix}{field}=true alone usually frees the "
+                          "most GPU memory")
 
 
 def check_not_built(ctx: Context) -> Iterator[Problem]:
@@ -497,8 +503,8 @@ def check_router_replay(ctx: Context) -> Iterator[Problem]:
 
 
 def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
-    """CUDA-graphed updates need a GPU, one pipeline stage, no router replay and no activation
-    recompute."""
+    """CUDA-graphed updates need a GPU, one pipeline stage, no router replay, no activation
+    recompute and parameters that stay at their addresses (no param offload)."""
     cfg = ctx.cfg
     actor = cfg.actor
     if not actor.cuda_graphs:
@@ -518,6 +524,11 @@ def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
                     "update's forward and backward without activation recompute (its graphs "
                     "would not hold the recomputing backward)", "set actor.cuda_graphs=false or "
                     "actor.recompute.granularity=none")
+    if actor.offload.param_offload:
+        yield error(("actor.cuda_graphs", "actor.offload.param_offload"), "the update's graphs "
+                    "read the parameters at the addresses they were captured with, and bringing "
+                    "offloaded parameters back allocates them anew", "set "
+                    "actor.offload.param_offload=false or actor.cuda_graphs=false")
     if cfg.resources.device == "cpu":
         yield warning(("actor.cuda_graphs", "resources.device"), "CUDA graphs need a GPU; the "
                       "update runs eagerly on the CPU", "set actor.cuda_graphs=false")

@@ -30,6 +30,7 @@ from megarl.megatron.offload import PARTS, StateOffloader
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.settings import CriticSpec
 from megarl.megatron.worker import DTYPES
+from megarl.memory import free_cached_memory
 
 
 def _first_of_group() -> bool:
@@ -62,6 +63,11 @@ class CriticWorker(Worker):
             yield
         finally:
             self.offloader.offload(self.spec.offload.parts())
+
+    def free_cache(self) -> dict[str, int]:
+        """Hand this process's cached, unused device blocks back to the driver (colocated: before
+        the engines resume); the bytes it held ``before`` and ``after``."""
+        return free_cached_memory()
 
     def offloaded_parts(self) -> list[str]:
         """The parts of the critic's state in host memory now (:data:`PARTS` names)."""

@@ -16,12 +16,13 @@ A storage belongs to the first part that names it, in that order.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from megarl.memory import free_cached_memory
 
 PARTS = ("param", "grad", "optimizer")
 
@@ -143,7 +144,7 @@ class StateOffloader:
             for stash in stashes:
                 stash.storage.resize_(0)
                 freed += stash.nbytes
-        _free_cached()
+        free_cached_memory()
         return freed
 
     @torch.no_grad()
@@ -164,10 +165,3 @@ class StateOffloader:
         for part in [p for p in PARTS if p in set(parts)]:
             self.stashes.pop(part, None)
         return restored
-
-
-def _free_cached() -> None:
-    """Return freed device memory to the driver (so other processes on the GPU can use it)."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()

@@ -143,8 +143,10 @@ class ActorSpec:
     """Replay the update's forward/backward from CUDA graphs (``actor.cuda_graphs``)."""
     cuda_graph_bucket_tokens: int = 1024
     offload: OffloadSettings = field(default_factory=OffloadSettings)
-    """What the actor keeps in host memory while idle (``actor.offload``); the trainer calls
-    :meth:`ActorWorker.offload`, each phase brings back what it needs."""
+    """What the actor keeps in host memory while idle (``actor.offload``): offloaded when the
+    worker starts (before colocated engines take the device) and after each update and weight
+    sync (the trainer calls :meth:`ActorWorker.offload`); each phase brings back what it
+    needs."""
     ref_param_offload: bool = False
     """Keep the reference model in host memory between its forwards (``ref.offload``)."""
     recompute: RecomputeSettings = field(default_factory=RecomputeSettings)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
 from megarl.megatron.settings import DTYPES, ActorSpec
 from megarl.megatron.update import TrainSequence, train_step
-from megarl.memory import phase_memory
+from megarl.memory import Peaks, free_cached_memory, phase_memory
 from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
 
 logger = logging.getLogger(__name__)
@@ -85,40 +86,62 @@ class ActorWorker(Worker):
         self._colocated: tuple[Any, ColocatedSender] | None = None
         self.offloader = StateOffloader(self.actor.model.chunks, self.actor.optimizer)
         self.ref_offloader = StateOffloader(self.ref.chunks if self.ref is not None else [])
-        self.memory_peaks: dict[str, tuple[float, float]] = {}
+        self.memory_peaks: Peaks = {}
+        self.moving_seconds = {"offload_actor": 0.0, "reload_actor": 0.0}
         self.background_saves = BackgroundSaves()
         self.save_cache = SaveCache()
         if spec.ref_param_offload:
-            self.ref_offloader.offload(["param"])
+            self._move(self.ref_offloader, "offload", ["param"])
+        self._move(self.offloader, "offload", spec.offload.parts())  # before engines start
+        self.moving_seconds = dict.fromkeys(self.moving_seconds, 0.0)  # not a step's time
 
     def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """A phase of this rank: its peak memory is recorded, an OOM names phase and knobs."""
         return phase_memory(name, f"actor rank {self.rank} (host {self.info.hostname})",
                             self.memory_peaks)
 
+    def _move(self, offloader: StateOffloader, action: str, parts: Iterable[str]) -> int:
+        """``offloader.offload`` or ``.reload`` (``action``) of ``parts``; the seconds it took
+        count into ``timing/offload_actor`` or ``timing/reload_actor`` when bytes moved."""
+        start = time.perf_counter()
+        moved = getattr(offloader, action)(parts)
+        if moved:
+            self.moving_seconds[f"{action}_actor"] += time.perf_counter() - start
+        return moved
+
     def offload(self, parts: list[str] | None = None) -> int:
         """Move ``parts`` of the actor's state (default: those ``actor.offload`` switches on)
         to host memory until a phase needs them; returns the bytes freed."""
-        return self.offloader.offload(self.spec.offload.parts() if parts is None else parts)
+        return self._move(self.offloader, "offload",
+                          self.spec.offload.parts() if parts is None else parts)
 
     def reload(self, parts: list[str] | None = None) -> int:
         """Bring offloaded ``parts`` (default: all) back to the device; returns the bytes."""
-        return self.offloader.reload(PARTS if parts is None else parts)
+        return self._move(self.offloader, "reload", PARTS if parts is None else parts)
+
+    def free_cache(self) -> dict[str, int]:
+        """Hand this process's cached, unused device blocks back to the driver (colocated: before
+        the engines resume); the bytes it held ``before`` and ``after``."""
+        return free_cached_memory()
 
     @contextlib.contextmanager
     def _resident(self) -> Iterator[None]:
         """The whole actor state on the device inside the block, offloaded again after it."""
         parts = sorted(self.offloader.offloaded)
-        self.offloader.reload(parts)
+        self._move(self.offloader, "reload", parts)
         try:
             yield
         finally:
-            self.offloader.offload(parts)
+            self._move(self.offloader, "offload", parts)
 
-    def memory_stats(self) -> dict[str, tuple[float, float]]:
-        """Peak (allocated, reserved) GB per phase since the last call; clears them."""
+    def memory_stats(self) -> dict[str, Any]:
+        """Since the last call (which clears them): per phase, the peak allocated and reserved
+        GB and the GB in use on the device (``peaks``); the seconds spent offloading and
+        reloading state (``seconds``: ``offload_actor``, ``reload_actor``)."""
         peaks, self.memory_peaks = self.memory_peaks, {}
-        return peaks
+        seconds = self.moving_seconds
+        self.moving_seconds = dict.fromkeys(seconds, 0.0)
+        return {"peaks": peaks, "seconds": seconds}
 
     def _build_model(self, dtype: torch.dtype, router_replay: bool = False,
                      recompute: RecomputeSettings | None = None) -> ActorModel:
@@ -171,14 +194,14 @@ class ActorWorker(Worker):
         for chunk in model.chunks:
             chunk.eval()
         with self._phase("ref" if use_ref else "old_log_prob"):
-            offloader.reload(["param"])
+            self._move(offloader, "reload", ["param"])
             with self._routing(model, tokens, routes, record_routes, budget) as recording, \
                     torch.no_grad():
                 out = compute_log_probs(
                     model, tokens, temperature=self.spec.temperature, with_entropy=with_entropy,
                     max_tokens_per_micro_batch=budget)
             if use_ref and self.spec.ref_param_offload:
-                offloader.offload(["param"])
+                self._move(offloader, "offload", ["param"])
         result: dict[str, list] = {"log_probs": [lp.float().tolist() for lp in out.log_probs]}
         if with_entropy and out.entropy is not None:
             result["entropy"] = [e.float().tolist() for e in out.entropy]
@@ -214,7 +237,7 @@ class ActorWorker(Worker):
         update forward used (``[L_i, moe_layers, top_k]``; empty lists unless recorded)."""
         metrics, used = [], []
         with self._phase("update_actor"):
-            self.offloader.reload(PARTS)
+            self._move(self.offloader, "reload", PARTS)
             for mini_batch in mini_batches:
                 metrics.append(self._update_one(mini_batch, record_routes, used))
         return metrics, used
@@ -279,7 +302,7 @@ class ActorWorker(Worker):
     def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named tensors of the actor (parameters brought back first if offloaded)."""
         with self._phase("sync_weights"):
-            self.offloader.reload(["param"])
+            self._move(self.offloader, "reload", ["param"])
             yield from self.actor.model.bridge.export_weights(self.actor.model.chunks)
 
     def weight_specs(self) -> list[tuple[str, list[int]]]:

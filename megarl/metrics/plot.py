@@ -66,8 +66,9 @@ def _line_panel(ax: Any, rows: Sequence[dict[str, Any]], title: str, names: Sequ
 
 
 # timings that are not a phase of the step's wall clock: ``timing/env`` sums the environment
-# seconds of all episodes, which run concurrently inside generation
-NOT_PHASES = {"timing/step", "timing/env"}
+# seconds of all episodes, which run concurrently inside generation; the actor's offload and
+# reload seconds are spent inside other phases (old_log_prob, update_actor, sync_weights)
+NOT_PHASES = {"timing/step", "timing/env", "timing/offload_actor", "timing/reload_actor"}
 
 
 def _timing_panel(ax: Any, rows: Sequence[dict[str, Any]]) -> None:

@@ -148,6 +148,20 @@ def test_engine_and_sync_by_hand(tiny_moe_dir):
     assert est.sync == est.update.state.total + 16 * 2**20  # actor state + one 16 MB bucket
 
 
+def test_colocated_offload_defaults_and_the_sync_with_param_offload(tiny_moe_dir):
+    """Colocated: grads and optimizer state leave the GPU while the engine generates (the
+    default); the sync reads the parameters even with param offload, which starts after it."""
+    colocated = ("rollout.colocate=true", "resources.rollout_pool=null",
+                 "resources.gpu_memory_gb=0.01")
+    est, _ = tiny_estimate(tiny_moe_dir, *colocated)
+    st, bucket = est.update.state, 16 * 2**20
+    assert est.actor_resident == est.engine.train_resident == st.weights
+    assert est.sync == st.weights + bucket + est.engine.weights
+    off, _ = tiny_estimate(tiny_moe_dir, *colocated, "actor.offload.param_offload=true")
+    assert off.actor_resident == 0 and off.sync_actor == st.weights
+    assert off.sync == est.sync and off.engine.total == est.engine.total - st.weights
+
+
 def test_pipeline_stages_and_micro_batches_in_flight():
     assert [list(stage_layers(61, 4, s)) for s in (0, 3)] == [list(range(16)), list(range(48, 61))]
     p4 = ParallelConfig(pp=4)

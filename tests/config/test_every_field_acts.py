@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import megarl.trainer as trainer_module
-from megarl import trainer_checkpoint, trainer_setup
+from megarl import memory_preflight, trainer_checkpoint, trainer_setup
 from megarl.config import load_config_dict, validate_config
 from megarl.config.derived import derive_sizes
 from megarl.config.estimates import estimate
@@ -261,8 +261,8 @@ FIELDS: dict[str, Row] = {
     **parallel_rows("actor"),
     "actor.use_distributed_optimizer": spec("false", "actor.optim.use_distributed_optimizer"),
     "actor.offload.param_offload": spec("true", "actor.offload.param_offload"),
-    "actor.offload.grad_offload": spec("true", "actor.offload.grad_offload"),
-    "actor.offload.optimizer_offload": spec("true", "actor.offload.optimizer_offload"),
+    "actor.offload.grad_offload": spec("false", "actor.offload.grad_offload"),  # null: colocated
+    "actor.offload.optimizer_offload": spec("false", "actor.offload.optimizer_offload"),
     "actor.recompute.granularity": spec("full", "actor.recompute"),
     "actor.recompute.method": spec("block", "actor.recompute", "actor.recompute.granularity=full"),
     "actor.recompute.num_layers": spec(2, "actor.recompute", "actor.recompute.granularity=full"),
@@ -292,8 +292,8 @@ FIELDS: dict[str, Row] = {
     "critic.grad_clip": spec(0.5, "critic.optim.grad_clip", GAE),
     **parallel_rows("critic", GAE),
     "critic.offload.param_offload": spec("true", "critic.offload.param_offload", GAE),
-    "critic.offload.grad_offload": spec("true", "critic.offload.grad_offload", GAE),
-    "critic.offload.optimizer_offload": spec("true", "critic.offload.optimizer_offload", GAE),
+    "critic.offload.grad_offload": spec("false", "critic.offload.grad_offload", GAE),
+    "critic.offload.optimizer_offload": spec("false", "critic.offload.optimizer_offload", GAE),
     # rollout
     "rollout.backend": spec("local", "argv"),
     "rollout.n": spec(2, "sampling.n"),
@@ -378,6 +378,7 @@ FIELDS: dict[str, Row] = {
     "trainer.phase_timeout_s": reads(trainer_module),
     "trainer.seed": spec(7, "actor.seed"),
     "trainer.max_nonfinite_updates": reads(Trainer.__init__),
+    "trainer.preflight": reads(memory_preflight.device_preflight),
     # reward
     "reward.function": reads(Trainer.setup),
     "reward.batched": reads(Trainer.setup),

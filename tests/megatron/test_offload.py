@@ -1,8 +1,11 @@
 """Host-memory offload of the actor's state (``actor.offload.*``) on a real megatron-core model
 with megatron DDP and the distributed optimizer (Adam states sharded over two gloo ranks).
 
-Two steps are taken with an offload round trip in between and compared, bit for bit, with the
-same two steps without one; while offloaded the storages are empty (0 bytes).
+Two steps are taken with offload round trips in between and compared, bit for bit, with the
+same two steps without them; while offloaded the storages are empty (0 bytes). The round trips:
+every part at once, then the colocated step's order (grads and optimizer state after the update,
+the parameters after the weight sync, the parameters back for the old-log-prob forward, the rest
+for the next update).
 """
 
 from __future__ import annotations
@@ -74,14 +77,24 @@ def _steps_on_rank(model_dir: str, round_trip: bool) -> dict:
         out.update(freed=freed, empty=empty + grads + states, offloaded=sorted(
             offloader.offloaded), restored=offloader.reload())
         out["after"] = _state(actor)
+        staged = offloader.offload(["grad", "optimizer"])  # after the update
+        exported = {n: p.detach().clone() for n, p in model.chunks[0].named_parameters()}
+        staged += offloader.offload(["param"])  # after the weight sync
+        out["staged_offloaded"] = sorted(offloader.offloaded)
+        back = offloader.reload(["param"])  # the old-log-prob forward
+        out["params_back_alone"] = sorted(offloader.offloaded) == ["grad", "optimizer"] and all(
+            torch.equal(p, exported[n]) for n, p in model.chunks[0].named_parameters())
+        out["staged"], out["staged_back"] = staged, back + offloader.reload(PARTS)
+        out["after_staged"] = _state(actor)
     out["second"] = step(2)
     out["final"] = _state(actor)
     return out
 
 
 def test_offload_round_trip_is_exact(pool2, tiny_models):
-    """Offload + reload of params, grads and optimizer leaves every tensor bit-identical,
-    empties every storage meanwhile, and the next step equals the step without offload."""
+    """Offload + reload of params, grads and optimizer, at once and in the colocated step's
+    order, leaves every tensor bit-identical, empties every storage meanwhile, and the next step
+    equals the step without offload."""
     plain = pool2.run(_steps_on_rank, tiny_models["qwen3"], False)
     moved = pool2.run(_steps_on_rank, tiny_models["qwen3"], True)
     for rank in range(2):
@@ -93,6 +106,10 @@ def test_offload_round_trip_is_exact(pool2, tiny_models):
         assert got["before"].keys() == got["after"].keys()
         for key, value in got["before"].items():
             assert torch.equal(value, got["after"][key]), key
+            assert torch.equal(value, got["after_staged"][key]), key
+        assert got["staged_offloaded"] == ["grad", "optimizer", "param"]
+        assert got["params_back_alone"]
+        assert got["staged"] == got["freed"] and got["staged_back"] == got["freed"]
         assert got["first"] == ref["first"] and got["second"] == ref["second"]
         for key, value in ref["final"].items():
             assert torch.equal(value, got["final"][key]), key

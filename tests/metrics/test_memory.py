@@ -12,7 +12,13 @@ import torch
 
 from megarl.cluster.actor_host import WorkerHost
 from megarl.cluster.worker import WorkerInfo
-from megarl.memory import PHASE_KNOBS, PhaseOutOfMemory, memory_metrics, phase_memory
+from megarl.memory import (
+    PHASE_KNOBS,
+    PhaseOutOfMemory,
+    free_cached_memory,
+    memory_metrics,
+    phase_memory,
+)
 from megarl.trainer import Trainer
 
 
@@ -47,6 +53,16 @@ def test_oom_in_a_worker_phase_reaches_the_driver_as_one_message(monkeypatch, ph
     monkeypatch.setenv("RANK", "1")  # another rank passes the same phase
     with phase_memory(phase, "actor rank 1", {}):
         pass
+
+
+def test_an_engine_that_cannot_resume_names_the_knobs_of_the_hand_off():
+    """resume_rollout's knobs: what the train side keeps, the engines' share, the sync's
+    bucket (its cached blocks are what the engine resumes into)."""
+    text = str(PhaseOutOfMemory("resume_rollout", "rollout engine http://h:1", "asked 1 bytes"))
+    for knob in ("actor.offload.optimizer_offload", "actor.offload.grad_offload",
+                 "actor.offload.param_offload", "rollout.gpu_memory_utilization",
+                 "checkpoint_engine.bucket_size_mb"):
+        assert knob in text
 
 
 def test_update_knobs_and_pickling():
@@ -87,14 +103,42 @@ def test_other_errors_pass_unchanged():
 
 
 def test_peaks_are_recorded_per_phase_and_reduced_over_ranks():
-    """Each phase's peak lands in the dict; the metrics take the max over ranks and phases."""
+    """Each phase's peaks and device use land in the dict (on CPU the resident set size, as the
+    peaks); the metrics take the max over ranks and phases."""
     peaks: dict = {}
     with phase_memory("update_actor", "actor rank 0", peaks):
         torch.ones(1000)
     assert set(peaks) == {"update_actor"}
-    metrics = memory_metrics([{"gen": (1.0, 2.0), "update_actor": (3.0, 4.0)},
-                              {"update_actor": (5.0, 1.0)}])
+    allocated, reserved, used = peaks["update_actor"]
+    assert allocated > 0 and used == allocated == reserved  # CPU: one reading for all three
+    metrics = memory_metrics([{"gen": (1.0, 2.0, 7.0), "update_actor": (3.0, 4.0, 6.0)},
+                              {"update_actor": (5.0, 1.0, 8.0)}])
     assert metrics["perf/max_memory_allocated_gb"] == 5.0
     assert metrics["perf/max_memory_reserved_gb"] == 4.0
     assert metrics["perf/max_memory_allocated_gb/gen"] == 1.0
     assert metrics["perf/max_memory_reserved_gb/update_actor"] == 4.0
+    assert metrics["perf/device_used_gb/gen"] == 7.0
+    assert metrics["perf/device_used_gb/update_actor"] == 8.0
+    assert metrics["perf/device_used_gb"] == 8.0
+    assert "perf/device_used_gb" not in memory_metrics([{"gen": (1.0, 2.0)}])
+
+
+def test_freeing_the_cache_reports_what_the_process_held():
+    """Before and after (CPU: resident bytes); garbage in cycles is collected."""
+    import gc
+    import weakref
+
+    class Node:
+        pass
+
+    node = Node()
+    node.self = node  # a cycle only the collector frees
+    alive = weakref.ref(node)
+    del node
+    gc.disable()
+    try:
+        held = free_cached_memory()
+    finally:
+        gc.enable()
+    assert alive() is None
+    assert set(held) == {"before", "after"} and held["before"] > 0 and held["after"] > 0

@@ -192,17 +192,59 @@ def test_ppo_with_a_critic_runs_gae(assets, tmp_path):
     assert max(abs(a - b) for a, b in zip(before[0][1:], after[0][1:])) > 1e-3
 
 
-def test_colocated_engines_release_memory_while_training(assets, tmp_path):
+HAND_OFF = ["release kv_cache+weights", "offload grad+optimizer", "free_cache", "resume weights",
+            "sync", "offload param", "free_cache", "resume kv_cache"]
+"""The memory hand-off of one colocated step with param offload on (DESIGN.md, "Colocated")."""
+
+
+def record_hand_off(trainer: Trainer, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The engines' release/resume calls and the actor group's memory calls, in the order the
+    step makes them (each still goes to the real client or workers)."""
+    events: list[str] = []
+    client, actor = trainer.workers.client, trainer.workers.actor
+
+    def recording(action: str, real):
+        async def call(tags):
+            events.append(f"{action} {'+'.join(tags)}")
+            return await real(tags)
+        return call
+
+    monkeypatch.setattr(client, "release_memory", recording("release", client.release_memory))
+    monkeypatch.setattr(client, "resume_memory", recording("resume", client.resume_memory))
+    real_execute_all, real_sync = actor.execute_all, trainer.workers.weight_sync
+
+    def execute_all(method, *args):
+        if method == "offload":
+            events.append(f"offload {'+'.join(args[0])}")
+        elif method == "free_cache":
+            events.append(method)
+        return real_execute_all(method, *args)
+
+    def weight_sync(*args):
+        events.append("sync")
+        return real_sync(*args)
+
+    monkeypatch.setattr(actor, "execute_all", execute_all)
+    monkeypatch.setattr(trainer.workers, "weight_sync", weight_sync)
+    return events
+
+
+def test_colocated_engines_release_memory_while_training(assets, tmp_path, monkeypatch):
     """rollout.colocate=true: actor ranks and the engine share the train pool's slots; the engine
-    releases its KV cache and weights after generating, takes them back for the weight sync,
-    and the next step generates with the updated weights."""
+    releases its KV cache and weights after generating; the actor offloads its gradients and
+    optimizer state (on by default when colocated) and hands its cache back before the engine
+    resumes its weights, the sync writes into them, then the parameters (param_offload) go to
+    host memory and the cache is handed back again before the engine resumes its KV cache. The
+    next step generates with the synced weights, so offload and reload changed no bit."""
     import httpx
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     trainer = make_trainer(assets, tmp_path / "colocated", "rollout.colocate=true",
                            "resources.rollout_pool=null", "trainer.total_steps=2",
                            "data.train_batch_size=8", "rollout.n=4",
-                           "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8")
+                           "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8",
+                           "actor.offload.param_offload=true")
+    assert trainer.cfg.actor.offload.grad_offload and trainer.cfg.actor.offload.optimizer_offload
 
     def released() -> list[list[str]]:
         return [httpx.get(f"{url}/get_server_info").json()["internal_states"][0]["released"]
@@ -210,7 +252,11 @@ def test_colocated_engines_release_memory_while_training(assets, tmp_path):
 
     try:
         trainer.setup()
+        events = record_hand_off(trainer, monkeypatch)
         history = trainer.fit()
+        assert events == HAND_OFF * 2
+        freed = trainer.workers.actor.execute_all("free_cache")
+        assert all(set(f) == {"before", "after"} and f["after"] >= 0 for f in freed)
         engines = len(trainer.workers.client.urls)  # one per train-pool slot
         assert released() == [[]] * engines
         trainer.engine_memory("release", ["kv_cache", "weights"])
@@ -224,6 +270,9 @@ def test_colocated_engines_release_memory_while_training(assets, tmp_path):
         assert metrics["timing/release_rollout"] > 0
         assert metrics["rollout/weight_version"] == step
         assert metrics["training/rollout_probs_diff_mean"] < 1e-3  # generated with synced weights
+        assert metrics["timing/offload_actor"] > 0 and metrics["timing/reload_actor"] > 0
+        for phase in ("old_log_prob", "update_actor", "sync_weights"):
+            assert metrics[f"perf/device_used_gb/{phase}"] > 0
 
 
 @pytest.mark.parametrize("mode", [

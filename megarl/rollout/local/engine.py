@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from megarl.faults import oom_point
 from megarl.rollout.interface import PauseMode, SamplingParams
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampling, sample_next
@@ -432,8 +433,11 @@ class LocalEngine:
         return f"released {sorted(self.released)}"
 
     def resume_memory(self, tags: list[str]) -> str:
-        """Take back what :meth:`release_memory` gave up (engine thread only)."""
+        """Take back what :meth:`release_memory` gave up (engine thread only). When the device
+        has no room the allocator's out-of-memory error propagates and what failed stays
+        released (``MEGARL_OOM_AT=resume_rollout`` injects one, :mod:`megarl.faults`)."""
         if "weights" in tags and "weights" in self.released:
+            oom_point("resume_rollout")
             self.runner.reload()
         self.released -= set(tags)
         return f"still released: {sorted(self.released)}"

@@ -210,6 +210,11 @@ class ModelRunner:
         """Move the weights back to the model's device after :meth:`offload`."""
         _move_tensors(self.model, self.device)
 
+    def weight_bytes(self) -> int:
+        """Bytes of every parameter and buffer: what the weights take on the device."""
+        tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+
     def release_kv_cache(self) -> None:
         """Drop the running rows and free the KV cache (and CUDA graphs) until the next use."""
         self.clear_rows()

@@ -6,8 +6,12 @@ shared/reference/SGLANG_API.md), so megarl's SGLang client drives this server an
 servers alike. Errors are answered as SGLang does, and the server keeps serving: a request
 SGLang would reject while validating its body (malformed JSON, a missing field) gets 400
 ``{"object": "error", "message", "type", "param", "code"}``; one it rejects while running it
-(``/generate`` input, ``/release_memory_occupation`` ...) gets 400 ``{"error": {"message"}}``. ``POST /megarl/weights`` also hosts megarl's own checkpoint-engine
-protocol (:mod:`megarl.rollout.local.checkpoint_engine`).
+(``/generate`` input, ``/release_memory_occupation`` ...) gets 400 ``{"error": {"message"}}``.
+A ``/resume_memory_occupation`` that runs out of device memory gets 500 with the same body,
+whose message says why: out of memory, the bytes asked, the bytes free on the device and the
+processes holding the rest (real SGLang's scheduler dies instead, and only its log says why).
+``POST /megarl/weights`` also hosts megarl's own checkpoint-engine protocol
+(:mod:`megarl.rollout.local.checkpoint_engine`).
 
 Security: ``/update_weights_from_tensor`` unpickles its payload, as SGLang does (and the ``ipc``
 transport maps shared memory named by the caller), so the port must not face untrusted clients.
@@ -38,6 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from megarl.config.model_info import weight_files
+from megarl.memory import GB, device_memory_report, is_out_of_memory
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.checkpoint_engine import CheckpointEndpoint
 from megarl.rollout.local.engine import MEMORY_TAGS, LocalEngine
@@ -70,6 +75,20 @@ def _error(message: str, status: int = 400) -> JSONResponse:
 def _failure(message: str) -> JSONResponse:
     """SGLang's answer to a request that failed while it ran (``_create_error_response``)."""
     return JSONResponse({"error": {"message": message}}, status_code=400)
+
+
+def _resume_out_of_memory(engine: LocalEngine, tags: list[str], err: BaseException
+                          ) -> JSONResponse:
+    """The answer to a resume that found no room on the device: 500, SGLang's error body, and
+    a one-line message with the bytes asked, the bytes free and who holds the rest."""
+    asked = engine.runner.weight_bytes() if "weights" in tags else 0
+    free, total, holders = device_memory_report(engine.runner.device)
+    reason = " ".join(str(err).split())[:300]
+    message = (f"out of memory resuming {sorted(tags)}: asked {asked} bytes ({asked / GB:.2f} "
+               f"GB), {free} bytes ({free / GB:.2f} GB) free of {total} on "
+               f"{engine.runner.device}; held by: {holders}; {type(err).__name__}: {reason}")
+    logger.error("/resume_memory_occupation: %s", message)
+    return JSONResponse({"error": {"message": message}}, status_code=500)
 
 
 def _outcome(success: bool, message: str) -> JSONResponse:
@@ -279,6 +298,10 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
             await asyncio.wrap_future(engine.call(lambda: engine.resume_memory(tags)))
         except ValueError as err:
             return _failure(str(err))
+        except RuntimeError as err:  # torch.OutOfMemoryError is one
+            if not is_out_of_memory(err):
+                raise
+            return _resume_out_of_memory(engine, tags, err)
         return JSONResponse(None)
 
 

@@ -43,6 +43,7 @@ from typing import Any
 
 import httpx
 
+from megarl.memory import PhaseOutOfMemory, is_out_of_memory
 from megarl.rollout.balancer import LoadBalancer, NoHealthyEngine
 from megarl.rollout.interface import PauseMode, RolloutEngine, RolloutSample, SamplingParams
 from megarl.rollout.routed_experts import RoutedExpertsLayout
@@ -57,7 +58,12 @@ RETRYABLE = (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError,
 
 
 class EngineError(RuntimeError):
-    """An engine answered with an error or could not be reached."""
+    """An engine answered with an error or could not be reached (``url``: the engine's, when
+    one engine's answer is meant)."""
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
 
 
 class _EngineLost(Exception):
@@ -182,7 +188,7 @@ class SGLangClient(RolloutEngine):
             data = _json_object(response)
             if response.status_code >= 400 or not data.get("success", True):
                 reason = data.get("message", _message(response))
-                raise EngineError(f"POST {url}{path} failed: {reason}")
+                raise EngineError(f"POST {url}{path} failed: {reason}", url=url)
             messages.append(str(data.get("message", "")))
         return messages
 
@@ -523,9 +529,18 @@ class SGLangClient(RolloutEngine):
         await self._each_outcome("/release_memory_occupation", [body] * len(self.urls))
 
     async def resume_memory(self, tags: Sequence[str] | None = None) -> None:
-        """``/resume_memory_occupation`` on every engine."""
+        """``/resume_memory_occupation`` on every engine. An engine that answers that it ran
+        out of memory raises :class:`~megarl.memory.PhaseOutOfMemory` of phase
+        ``resume_rollout``, with the engine's reason and the knobs (PITFALLS T1)."""
         body = {"tags": list(tags) if tags is not None else None}
-        await self._each_outcome("/resume_memory_occupation", [body] * len(self.urls))
+        try:
+            await self._each_outcome("/resume_memory_occupation", [body] * len(self.urls))
+        except EngineError as err:
+            if not is_out_of_memory(err):
+                raise
+            detail = " ".join(str(err).split(" failed: ", 1)[-1].split())
+            raise PhaseOutOfMemory("resume_rollout", f"rollout engine {err.url}",
+                                   detail) from err
         for released in self._released:
             released.difference_update(tags if tags is not None else MEMORY_TAGS)
 
