@@ -229,6 +229,17 @@ def flops_per_token(model_dir: Path, seq_len: float, train: bool) -> float:
 # megarl
 # ---------------------------------------------------------------------------------------------
 
+def micro_batch_overrides(args: argparse.Namespace, samples: int) -> list[str]:
+    """megarl's micro-batching and recompute: token budgets (``--micro-batch-tokens``, what a
+    colocated run at these sizes needs: 32 sequences of up to 2.5k tokens hold 24 GB of bf16
+    logits alone) or ``--micro-batches`` equal splits."""
+    knobs = [f"actor.recompute.granularity={args.recompute}"]
+    if args.micro_batch_tokens:
+        return [*knobs, "actor.use_dynamic_bsz=true",
+                f"actor.ppo_max_token_len_per_gpu={args.micro_batch_tokens}"]
+    return [*knobs, f"actor.ppo_micro_batch_size_per_gpu={max(1, samples // args.micro_batches)}"]
+
+
 def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
                prompts: list[list[int]]) -> dict[str, Any]:
     """Warm-up and timed colocated GRPO steps through the real trainer; per-step metrics."""
@@ -236,7 +247,7 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
     from megarl.config.schema import SchedulerConfig
     from megarl.demo import DEMOS
     from megarl.scheduler import build_scheduler
-    from megarl.trainer import Trainer
+    from megarl.trainer import Trainer, preflight_refuses
 
     device = args.device
     spec = DEMOS["cuda" if device == "cuda" else "cpu"]
@@ -247,13 +258,15 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
         "trainer.resume=never", f"trainer.total_steps={args.warmup + args.steps}",
         f"data.train_batch_size={len(prompts)}", f"rollout.n={args.n}",
         f"actor.ppo_mini_batch_size={len(prompts)}",
-        f"actor.ppo_micro_batch_size_per_gpu={max(1, samples // args.micro_batches)}",
+        *micro_batch_overrides(args, samples),
         f"data.max_prompt_length={args.prompt_len[1]}",
         f"data.max_response_length={args.max_response}",
         f"reward.function={Path(__file__).resolve()}:score", "reward.num_workers=0",
         "actor.parallel.ep=1", "resources.train_pool.gpus_per_node=1", "ray.address=local",
         f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}", *args.set]
     cfg, sources = load_config(str(spec.config), overrides)
+    if device == "cuda" and preflight_refuses(cfg, first=True):  # as `megarl train` does
+        return {"refused": "the device preflight refused these settings (its lines above)"}
     trainer = Trainer(cfg, sources)
     history: list[dict[str, float]] = []
     walls: list[float] = []
@@ -534,7 +547,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of the lengths")
     p.add_argument("--moe-layers", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=16,
-                   help="micro-batches per step in both systems")
+                   help="micro-batches per step in TRL, and in megarl with --micro-batch-tokens 0")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384,
+                   help="megarl's token budget per micro-batch (actor.use_dynamic_bsz); 0: equal "
+                        "splits of --micro-batches")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="full",
+                   help="megarl's actor.recompute.granularity")
     p.add_argument("--steps", type=int, default=2, help="timed steps")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--trl", choices=["on", "off"], default="on")
@@ -548,6 +566,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     if args.smoke:
         args.prompts, args.n, args.prompt_len, args.max_response = 4, 2, [8, 16], 16
         args.median, args.steps, args.micro_batches = 6.0, 1, 2
+        args.micro_batch_tokens, args.recompute = 0, "none"
     return args
 
 
@@ -571,6 +590,10 @@ def main(argv: list[str] | None = None) -> int:
         rows_path = args.out / shape / "prompts.jsonl"
         prompts = write_prompts(rows_path, args.prompts, *args.prompt_len)
         megarl = run_megarl(args, shape, model, rows_path, prompts)
+        if "refused" in megarl:
+            results[shape] = {"error": megarl["refused"]}
+            print(f"error: {shape}: {megarl['refused']}", file=sys.stderr, flush=True)
+            continue
         trl = run_trl(args, shape, model, rows_path) if args.trl == "on" else {"skipped": "--trl off"}
         results[shape] = summarize(args, model, prompts, floors, megarl, trl)
         print(json.dumps({shape: results[shape]}, indent=1), flush=True)
@@ -582,10 +605,12 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"{args.prompts} prompts x {args.n}, prompts {args.prompt_len[0]}-"
              f"{args.prompt_len[1]} tokens, responses log-normal(median {args.median:.0f}, sigma "
              f"{args.sigma}) <= {args.max_response}, {args.device}")
-    plot(results, args.out / "e2e_step.png", title)
+    ran = {shape: r for shape, r in results.items() if "step_s" in r}
+    if ran:
+        plot(ran, args.out / "e2e_step.png", title)
     print(f"{'shape':<6}{'step s':>8}{'tok/s':>10}{'gen/floor':>10}{'oldlp MFU':>10}"
           f"{'upd MFU':>9}{'sync/copy':>10}{'TRL s':>8}{'x TRL':>7}")
-    for shape, r in results.items():
+    for shape, r in ran.items():
         print(f"{shape:<6}{r['step_s']:>8.2f}{r['step_tokens_per_s']:>10.0f}"
               f"{r['gen_floor_fraction']:>10.1%}{r['old_log_prob_mfu']:>10.1%}"
               f"{r['update_actor_mfu']:>9.1%}{r['sync_copy_fraction']:>10.1%}"

@@ -87,3 +87,54 @@ def test_a_run_whose_engine_cut_the_responses_is_reported_as_wrong(tmp_path):
     metrics["response_length/mean"] = sum(forced) / len(forced)
     out = bench.summarize(args, model, prompts, floors, run, {"skipped": "--trl off"})
     assert "error" not in out
+
+
+def _moe_card(root):
+    """The MoE shape's config.json and tokenizer (no weights: estimates need only the card)."""
+    from transformers import AutoConfig
+
+    from megarl.data.tiny_model import build_tokenizer, tiny_config_dict
+
+    bench = load("e2e_step")
+    dims = dict(bench.SHAPES["moe"])
+    arch = dims.pop("arch")
+    fields = tiny_config_dict(arch, **dims)
+    AutoConfig.for_model(fields.pop("model_type", arch), **fields).save_pretrained(root)
+    build_tokenizer(dims["vocab_size"]).save_pretrained(root)
+    return bench
+
+
+@pytest.mark.parametrize("knobs, refused", [
+    ([], False),  # the benchmark's defaults: 16k-token micro-batches, full recompute
+    (["--micro-batch-tokens", "0", "--micro-batches", "16", "--recompute", "none"], True),
+])
+def test_the_device_preflight_passes_the_defaults_and_refuses_what_cannot_fit(tmp_path, knobs,
+                                                                               refused):
+    """On a free H200 (139.8 GB of 141): the MoE shape at the benchmark's defaults fits every
+    phase; with recompute off and 32-sequence micro-batches its update (~228 GB) is refused
+    before any worker starts, with a line naming the phase and the knobs."""
+    from megarl.config import load_config
+    from megarl.config.model_info import load_model_info
+    from megarl.demo import DEMOS
+    from megarl.memory_preflight import device_preflight
+
+    bench = _moe_card(tmp_path)
+    args = bench.parse(knobs)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("")
+    samples = args.prompts * args.n
+    cfg, _ = load_config(str(DEMOS["cuda"].config), [
+        f"model.path={tmp_path}", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
+        f"data.train_batch_size={args.prompts}", f"rollout.n={args.n}",
+        f"actor.ppo_mini_batch_size={args.prompts}", "actor.parallel.ep=1",
+        f"data.max_prompt_length={args.prompt_len[1]}",
+        f"data.max_response_length={args.max_response}", "model.dtype=bfloat16",
+        *bench.micro_batch_overrides(args, samples)])
+    h200 = {"GPU 0": (int(139.8 * 2**30), int(140.4 * 2**30))}
+    lines, refused_now = device_preflight(cfg, load_model_info(str(tmp_path)), read=lambda: h200)
+    assert refused_now == refused, lines
+    if refused:
+        assert lines[0].startswith("preflight: phase 'update_actor' needs ~") and (
+            "actor.recompute.granularity" in lines[0])
+    else:
+        assert lines[0].startswith("preflight: every phase fits")
