@@ -28,7 +28,7 @@ from megarl.metrics.trackers import read_metrics_jsonl
 SCRIPT = REPO / "slurm" / "ray_on_slurm.slurm"
 PROBE_COMMAND = f"{sys.executable} {PROBE}"
 # What the job runs once Ray is up, with `--config JOB_CONFIG <overrides>`: the real trainer, on
-# the demo's tiny model and data (made by the test) for two steps. PROBE_COMMAND is a stand-in
+# the demo's tiny model and data (made by the test) for one step. PROBE_COMMAND is a stand-in
 # that only checks the Ray cluster, for debugging the script without the trainer.
 JOB_COMMAND = f"{Path(sys.executable).parent}/megarl train"
 JOB_CONFIG = REPO / "configs" / "tiny-moe-cpu.yaml"
@@ -57,7 +57,7 @@ def submit_script(slurm: LocalSlurm, name: str, **env_extra: str) -> JobRun:
     ports = {**ray_port_env(), **env_extra}
     model, train, val = prepare_demo_assets(slurm.root / "assets")
     job_overrides = [f"model.path={model}", f"data.train_files=[{train}]",
-                     f"data.val_files=[{val}]", "trainer.total_steps=2"]
+                     f"data.val_files=[{val}]", "trainer.total_steps=1"]
     env = job_env(CONFIG=str(JOB_CONFIG), MEGARL_CMD=JOB_COMMAND, RAY_TEMP_DIR=str(root / "ray"),
                   RAY_JOIN_TIMEOUT_S="120", **ports)
     if JOB_RAY_CPUS:
