@@ -63,6 +63,7 @@ def fake_trainer(monkeypatch, *overrides: str):
         "generate": lambda prompts: StepBatch(samples=samples_of(prompts), prompts=prompts, n=4),
         "train_on": lambda batch, metrics: trained.append(batch),
         "sync_weights": dict, "engine_memory": lambda action, tags: None,
+        "free_train_cache": lambda: None,
         "end_step": lambda batch, metrics, start: metrics.setdefault("timing/step", 1.0),
     }.items():
         monkeypatch.setattr(trainer, name, fn)
