@@ -95,7 +95,7 @@ def publish_checkpoint(trainer: Trainer) -> dict[str, float]:
 
 def resume_path(trainer: Trainer) -> str | None:
     """The checkpoint ``trainer.resume`` selects, or None to start fresh."""
-    from megarl.megatron.checkpoint import latest_checkpoint
+    from megarl.megatron.checkpoint_dirs import latest_checkpoint
 
     choice = trainer.cfg.trainer.resume
     if choice == "never":

@@ -90,10 +90,15 @@ def test_the_checker_sees_function_level_imports(tmp_path):
     assert megarl_imports(source, with_hints=True) == [(3, "trainer"), (5, "rollout")]
 
 
-def test_the_driver_does_not_import_megatron():
+def test_the_driver_does_not_import_megatron(tmp_path):
     """The driver builds the workers' specs from megarl.megatron.settings and names the worker
-    classes by path; megatron-core (seconds to import) loads in the train workers only."""
-    code = ("import sys, megarl.cli, megarl.trainer, megarl.trainer_setup, megarl.trainer_critic; "
+    classes by path, and finds the checkpoint to resume from (``trainer.resume=auto``) without
+    megatron-core too; megatron-core (seconds to import) loads in the train workers only."""
+    code = ("import sys, types, megarl.cli, megarl.trainer, megarl.trainer_setup, "
+            "megarl.trainer_critic; from megarl.trainer_checkpoint import resume_path; "
+            "trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(trainer=types."
+            f"SimpleNamespace(resume='auto', output_dir={str(tmp_path)!r}))); "
+            "assert resume_path(trainer) is None; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('megatron', 'mbridge')))")
     env = {**os.environ, "PYTHONPATH": str(ROOT.parent)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -7,6 +7,8 @@ A checkpoint root holds one directory per saved step and a pointer to the newest
                             common.pt) and megarl.json (step, model fingerprint, layout)
     <root>/latest           "step_00000012"
 
+(:mod:`megarl.megatron.checkpoint_dirs` holds these names, without megatron-core.)
+
 Saving writes into ``<root>/step_00000012.tmp-<id>``; once every rank has written its shards
 (barrier), rank 0 renames it to its final name, then replaces ``latest`` (temporary file +
 ``os.replace``), then removes the oldest directories beyond ``keep_last``. A crash at any point
@@ -58,15 +60,19 @@ from megatron.core.tensor_parallel import get_cuda_rng_tracker
 from megarl.children import die_with_parent
 from megarl.faults import checkpoint_write_delay
 from megarl.megatron import cpu_compat
+from megarl.megatron.checkpoint_dirs import (
+    LATEST,
+    MANIFEST,
+    latest_checkpoint,
+    list_checkpoints,
+    step_dir_name,
+)
 from megarl.megatron.model import ActorModel, load_hf_config
 from megarl.megatron.optimizer import TrainableActor
 
 FORMAT_VERSION = 1
-MANIFEST = "megarl.json"
 # written next to a model-only checkpoint by ``megarl-convert hf-to-mcore`` (bridge/)
 CONVERTED_INFO = "megarl_convert.json"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
 _LEFTOVER_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
 _OPTIMIZER_METADATA = {
     "distrib_optim_sharding_type": "fully_reshardable",
@@ -138,35 +144,6 @@ def current_layout() -> dict[str, int | None]:
         "cp": mpu.get_context_parallel_world_size(),
         "dp": mpu.get_data_parallel_world_size(),
     }
-
-
-def step_dir_name(step: int) -> str:
-    """The directory name of the checkpoint of ``step``."""
-    if step < 0:
-        raise ValueError(f"checkpoint step={step}: must be >= 0")
-    return f"step_{step:08d}"
-
-
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoint directories under ``root``, oldest step first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and (p / MANIFEST).is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The directory ``<root>/latest`` names, or the newest complete one if the pointer is
-    missing or dangling; None when there is no checkpoint."""
-    root = Path(root)
-    pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if _STEP_DIR.match(target.name) and (target / MANIFEST).is_file():
-            return target
-    complete = list_checkpoints(root)
-    return complete[-1] if complete else None
 
 
 def _chunk_modules(model: ActorModel) -> list[torch.nn.Module]:
