@@ -15,6 +15,10 @@ happens.
 ``MEGARL_CKPT_WRITE_DELAY_S=SECONDS`` makes each rank's background checkpoint writer wait that
 long before writing its files: a slow file system, so a test can act while a write is under way.
 
+``MEGARL_ENGINE_STEP_DELAY_S=SECONDS`` makes the embedded rollout engine wait that long after each
+generation step: a slow device, so a test can pause or abort while requests are surely mid-way
+whatever the machine's speed.
+
 ``MEGARL_OOM_AT=PHASE[:RANK]`` raises ``torch.OutOfMemoryError`` when a process (the one whose
 ``RANK`` environment variable is ``RANK``, or any) enters ``PHASE`` of
 :func:`megarl.memory.phase_memory`: the out-of-memory path without filling a GPU.
@@ -30,6 +34,7 @@ ENV = "MEGARL_CRASH_AT"
 OOM_ENV = "MEGARL_OOM_AT"
 FAIL_ENV = "MEGARL_FAIL_AT"
 WRITE_DELAY_ENV = "MEGARL_CKPT_WRITE_DELAY_S"
+ENGINE_DELAY_ENV = "MEGARL_ENGINE_STEP_DELAY_S"
 _step = 0
 
 
@@ -85,6 +90,12 @@ def checkpoint_write_delay() -> float:
     """Seconds a background checkpoint writer waits before writing (``MEGARL_CKPT_WRITE_DELAY_S``,
     default 0)."""
     return float(os.environ.get(WRITE_DELAY_ENV) or 0.0)
+
+
+def engine_step_delay() -> float:
+    """Seconds the embedded engine waits after each generation step
+    (``MEGARL_ENGINE_STEP_DELAY_S``, default 0)."""
+    return float(os.environ.get(ENGINE_DELAY_ENV) or 0.0)
 
 
 def oom_point(phase: str) -> None:

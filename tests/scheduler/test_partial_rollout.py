@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from megarl.data.tiny_model import make_tiny_model
+from megarl.faults import ENGINE_DELAY_ENV
 from megarl.rollout.agent import AgentLoop, AgentSettings, StepResult
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.launch import launch_local_engines
@@ -31,6 +32,7 @@ from megarl.scheduler.staleness import token_versions
 
 PROMPTS = [[5, 17, 33], [9, 9, 40, 41, 42, 7, 8], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70]]
 TEMPERATURE = 0.8
+STEP_DELAY_S = 0.005
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +44,14 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def url(models: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    servers = launch_local_engines(str(models["A"]), 1, num_threads=1,
-                                   log_dir=tmp_path_factory.mktemp("logs"),
-                                   seed=0, extra_args=["--weight-version", "0"],
-                                   ready_timeout_s=120)
+    # a slow device: every generation step takes at least STEP_DELAY_S, so a sync issued
+    # within a tenth of a second of the first decode pauses requests mid-way on any machine
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENGINE_DELAY_ENV, str(STEP_DELAY_S))
+        servers = launch_local_engines(str(models["A"]), 1, num_threads=1,
+                                       log_dir=tmp_path_factory.mktemp("logs"),
+                                       seed=0, extra_args=["--weight-version", "0"],
+                                       ready_timeout_s=120)
     try:
         yield servers[0].url
     finally:

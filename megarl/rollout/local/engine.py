@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from megarl.faults import oom_point
+from megarl.faults import engine_step_delay, oom_point
 from megarl.rollout.interface import PauseMode, SamplingParams
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampling, sample_next
@@ -119,6 +119,7 @@ class LocalEngine:
         self.released: set[str] = set()
         self.steps = 0
         """Generation steps run so far (``/health`` takes any progress as a sign of life)."""
+        self._step_delay_s = engine_step_delay()
         self._generator = torch.Generator()
         self._generator.manual_seed(seed if seed is not None else torch.seed())
         # keys of unseeded rows for the fused sampler, from a stream of their own (the
@@ -196,6 +197,8 @@ class LocalEngine:
             try:
                 self._step()
                 self.steps += 1
+                if self._step_delay_s:
+                    time.sleep(self._step_delay_s)
             except Exception as err:  # a failed forward fails its requests, not the server
                 logger.exception("generation step failed")
                 self._fail_all(err)
