@@ -71,7 +71,7 @@ def test_engine_rejects_bad_token_ids_with_one_line(engine, prompt, pattern, tmp
     async def still_serving() -> list:
         client = SGLangClient([engine.url])
         try:
-            return await client.generate([[5, 6]], SamplingParams(max_new_tokens=2))
+            return await client.generate([[5, 6]], SamplingParams(max_new_tokens=2, ignore_eos=True))
         finally:
             await client.close()
 

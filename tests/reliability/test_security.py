@@ -115,7 +115,7 @@ def test_the_client_sends_the_key_to_generation_control_and_weight_endpoints(gua
         client = SGLangClient([server.url], api_key=KEY)
         anonymous = SGLangClient([server.url])
         try:
-            samples = await client.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3))
+            samples = await client.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True))
             await client.pause("in_place")
             await client.resume()
             await client.update_weight_version("7")
