@@ -38,10 +38,15 @@ class EchoWorker(Worker):
             _inner_failure(message)
         return self.rank
 
-    def sleep_on(self, rank: int, seconds: float) -> int:
-        """Sleep on ``rank`` (a stand-in for a stuck collective); the others return at once."""
+    def stuck_on(self, rank: int, release: str, limit_s: float = 120.0) -> int:
+        """Block on ``rank`` until the file ``release`` exists (a stand-in for a stuck collective
+        that the test lets go once it has looked at it); the others return at once."""
         if self.rank == rank:
-            time.sleep(seconds)
+            deadline = time.monotonic() + limit_s
+            while not os.path.exists(release):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{release} was not created within {limit_s:.0f} s")
+                time.sleep(0.05)
         return self.rank
 
     def exit_on(self, rank: int, block_s: float) -> int:

@@ -34,11 +34,14 @@ def main(out_dir: Path) -> None:
         out["error"] = None
     except WorkerError as err:
         out["error"] = {"ranks": err.ranks, "text": str(err)}
+    release = out_dir / "release"  # rank 1 is stuck until rank 0 has given up on it
     try:
-        train.execute_all_async("sleep_on", 1, 3.0).get(timeout_s=1.0, phase="update_actor")
+        train.execute_all_async("stuck_on", 1, str(release)).get(timeout_s=1.0,
+                                                                 phase="update_actor")
         out["timeout"] = None
     except WorkerTimeoutError as err:
         out["timeout"] = {"ranks": err.ranks, "text": str(err)}
+        release.touch()
     out["after"] = train.execute_all("echo", 1)
     (out_dir / f"rank{ctx.rank}.json").write_text(json.dumps(out))
 

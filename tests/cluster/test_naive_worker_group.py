@@ -45,9 +45,10 @@ def test_naive_mode_matches_ray_mode_results(tmp_path):
         assert "in _inner_failure" in text and text.rstrip().endswith(
             "ValueError: boom from rank 1")
         assert out["after"] == [[0, [1], {}], [1, [1], {}]]
-    # Rank 0 gave up on rank 1 after 1 s; rank 1 (asleep) found rank 0's result waiting.
+    # Rank 0 gave up on rank 1 after 1 s and let it go; rank 1 (stuck until then) found rank
+    # 0's result waiting.
     assert ranks[0]["timeout"]["ranks"] == [1]
     assert "phase 'update_actor' of role train did not finish within 1 s" in \
         ranks[0]["timeout"]["text"]
     assert ranks[1]["timeout"] is None
-    assert "in sleep_on" in proc.stderr  # rank 1's stacks, printed at rank 0's request
+    assert "in stuck_on" in proc.stderr  # rank 1's stacks, printed at rank 0's request

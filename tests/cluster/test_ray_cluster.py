@@ -193,21 +193,26 @@ def test_worker_exception_reaches_driver_with_rank_host_traceback(groups):
     assert train.execute_all("echo") == [(0, (), {}), (1, (), {})]  # the group still works
 
 
-def test_hanging_call_times_out_naming_rank_and_phase(groups):
+def test_hanging_call_times_out_naming_rank_and_phase(groups, tmp_path):
     train, _ = groups
+    release = tmp_path / "release"
     start = time.monotonic()
-    with pytest.raises(WorkerTimeoutError) as info:
-        train.execute_all_async("sleep_on", 1, 2.5).get(timeout_s=1.0, phase="update_actor")
-    elapsed = time.monotonic() - start
+    try:
+        with pytest.raises(WorkerTimeoutError) as info:
+            train.execute_all_async("stuck_on", 1, str(release)).get(timeout_s=1.0,
+                                                                     phase="update_actor")
+        elapsed = time.monotonic() - start
+    finally:
+        release.touch()  # rank 1 was stuck until here: its stacks were dumped while stuck
     err = info.value
     assert err.ranks == [1] and err.phase == "update_actor"
     text = str(err)
     assert "phase 'update_actor' of role train did not finish within 1 s on 1 of 2 ranks" in text
     assert "rank 1 (host" in text and "finished: ranks [0]" in text
     # Rank 1 dumped its stacks into its log: the stuck frame is named.
-    assert "in sleep_on" in text and train.log_paths[1] in text
+    assert "in stuck_on" in text and train.log_paths[1] in text
     assert 1.0 <= elapsed < 5.0
-    assert train.execute_all("echo", 1) == [(0, (1,), {}), (1, (1,), {})]  # after the sleep
+    assert train.execute_all("echo", 1) == [(0, (1,), {}), (1, (1,), {})]  # once released
 
 
 def test_dead_worker_is_reported_with_log_tail(ray_runtime, tmp_path):

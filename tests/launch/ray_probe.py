@@ -68,7 +68,9 @@ def main(argv: list[str]) -> int:
         "driver_pid": os.getpid(),
         "driver_niceness": os.nice(0),
     }
-    (out / "probe.json").write_text(json.dumps(report, indent=1))
+    # whole or absent: the tests wait for this file to appear, then read it
+    (out / "probe.json.tmp").write_text(json.dumps(report, indent=1))
+    (out / "probe.json.tmp").replace(out / "probe.json")
     tracker = JsonlTracker(out)
     tracker.log({"probe/nodes": len(nodes), "probe/cluster_cpus": cluster_cpus,
                  "probe/sum_of_squares": sum(r["value"] for r in results)}, step=1)

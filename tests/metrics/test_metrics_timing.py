@@ -1,9 +1,8 @@
 """Timing, throughput, FLOPs/MFU and metric reduction against hand-computed numbers."""
 
-import time
-
 import pytest
 
+from megarl.metrics import timing
 from megarl.metrics.timing import (
     actor_mfu_metrics,
     batch_flops,
@@ -18,16 +17,33 @@ from megarl.metrics.timing import (
 )
 
 
-def test_timer_writes_accumulates_and_survives_exceptions():
+class _Clock:
+    """A perf_counter that moves only when told: the timed blocks take exactly what they say,
+    whatever the machine's load."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_timer_writes_accumulates_and_survives_exceptions(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(timing, "time", clock)
     metrics: dict[str, float] = {}
+    clock.sleep(0.5)  # time outside a block is not counted
     with timer("gen", metrics):
-        time.sleep(0.05)
+        clock.sleep(0.05)
     first = metrics["timing/gen"]
-    assert 0.045 <= first < 0.5
+    assert first == pytest.approx(0.05)
     with pytest.raises(RuntimeError), timer("gen", metrics):
-        time.sleep(0.02)
+        clock.sleep(0.02)
         raise RuntimeError("boom")
-    assert metrics["timing/gen"] >= first + 0.018
+    assert metrics["timing/gen"] == pytest.approx(first + 0.02)
     assert list(metrics) == ["timing/gen"]
 
 

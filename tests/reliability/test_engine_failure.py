@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from megarl.faults import ENGINE_DELAY_ENV
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.process import ManagedServer, stop_all
@@ -27,17 +28,22 @@ from megarl.rollout.sglang.client import EngineError, SGLangClient
 from .versioned_model import WeightPusher, make_versioned_model, marker
 
 LONG = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True, n=2)
+STEP_DELAY_S = 0.01  # LONG: >= 1.2 s of generation
 SHORT = SamplingParams(max_new_tokens=16, temperature=0.0, ignore_eos=True, n=2)
 
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[ManagedServer]]:
-    """Two embedded engines on 127.0.0.1 serving the versioned model at version 0."""
+    """Two embedded engines on 127.0.0.1 serving the versioned model at version 0, on a slow
+    device: each generation step takes at least STEP_DELAY_S, so a LONG request seen running
+    is still running when the test kills or stops its engine, whatever the machine's speed."""
     model = make_versioned_model(tmp_path_factory.mktemp("versioned") / "model")
-    started = launch_local_engines(str(model), 2, num_threads=1,
-                                   log_dir=tmp_path_factory.mktemp("engine_logs"),
-                                   seed=0, extra_args=["--weight-version", "0"],
-                                   ready_timeout_s=300)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(ENGINE_DELAY_ENV, str(STEP_DELAY_S))
+        started = launch_local_engines(str(model), 2, num_threads=1,
+                                       log_dir=tmp_path_factory.mktemp("engine_logs"),
+                                       seed=0, extra_args=["--weight-version", "0"],
+                                       ready_timeout_s=300)
     yield started
     stop_all(started)
 

@@ -9,18 +9,24 @@ import pytest
 import torch
 
 from megarl.data.tiny_model import make_tiny_model
+from megarl.faults import ENGINE_DELAY_ENV
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.process import ManagedServer
 
 CONTEXT_LENGTH = 512  # max_position_embeddings of the tiny models
 HEALTH_CHECK_TIMEOUT_S = 1.0  # how long /health waits while paused (SGLang: 20 s)
+SLOW_STEP_S = 0.01  # the slow server's least time per generation step
 
 
-def _serve(model_dir: Path, log_dir: Path, seed: int | None = 0) -> Iterator[ManagedServer]:
-    servers = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=log_dir, seed=seed,
-                                   extra_args=["--health-check-timeout",
-                                               str(HEALTH_CHECK_TIMEOUT_S)],
-                                   ready_timeout_s=120)
+def _serve(model_dir: Path, log_dir: Path, seed: int | None = 0,
+           step_delay_s: float = 0.0) -> Iterator[ManagedServer]:
+    with pytest.MonkeyPatch.context() as env:  # the server's environment, not the session's
+        if step_delay_s:
+            env.setenv(ENGINE_DELAY_ENV, str(step_delay_s))
+        servers = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=log_dir,
+                                       seed=seed, extra_args=["--health-check-timeout",
+                                                              str(HEALTH_CHECK_TIMEOUT_S)],
+                                       ready_timeout_s=120)
     try:
         yield servers[0]
     finally:
@@ -46,6 +52,16 @@ def unseeded_server(moe_dir: Path,
     """An embedded server started without a seed (it ignores ``sampling_seed``, as SGLang does
     without ``--enable-deterministic-inference``)."""
     yield from _serve(moe_dir, tmp_path_factory.mktemp("unseeded_logs"), seed=None)
+
+
+@pytest.fixture(scope="session")
+def slow_server(moe_dir: Path,
+                tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]:
+    """The seeded server on a slow device: every generation step takes at least
+    ``SLOW_STEP_S`` (``MEGARL_ENGINE_STEP_DELAY_S``), so a request of N tokens is in progress
+    for at least N * SLOW_STEP_S after its first step, whatever the machine's speed. For the
+    tests that abort or pause a request they saw running."""
+    yield from _serve(moe_dir, tmp_path_factory.mktemp("slow_logs"), step_delay_s=SLOW_STEP_S)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,8 @@
-"""Abort, pause/continue, health and bad input against a real embedded server."""
+"""Abort, pause/continue, health and bad input against a real embedded server.
+
+The tests that act on a request they saw running use ``slow_server`` (each generation step takes
+at least ``SLOW_STEP_S``): the request is still in progress when the abort or pause arrives on a
+machine of any speed, where the plain server might finish 120 tokens first."""
 
 from __future__ import annotations
 
@@ -15,6 +19,13 @@ CONTEXT_LENGTH = 512  # max_position_embeddings of the tiny models
 LONG = SamplingParams(max_new_tokens=400, temperature=0.0, ignore_eos=True)
 
 
+async def _steps(url: str) -> int:
+    """The generation steps the server has run so far."""
+    async with httpx.AsyncClient() as http:
+        info = (await http.get(url + "/get_server_info")).json()
+    return info["internal_states"][0]["generation_steps"]
+
+
 async def _running(url: str, count: int = 1, timeout_s: float = 10.0) -> None:
     """Wait until the server reports ``count`` running samples."""
     async with httpx.AsyncClient() as http:
@@ -26,12 +37,12 @@ async def _running(url: str, count: int = 1, timeout_s: float = 10.0) -> None:
     raise AssertionError("the request never started running")
 
 
-def test_abort_of_a_running_request(server, prompts):
+def test_abort_of_a_running_request(slow_server, prompts):
     async def scenario():
-        client = SGLangClient([server.url])
+        client = SGLangClient([slow_server.url])
         try:
             task = asyncio.create_task(client.generate([prompts[0]], LONG, rids=["long-1"]))
-            await _running(server.url)
+            await _running(slow_server.url)
             await client.abort("long-1")
             (sample,) = await asyncio.wait_for(task, 10)
             return sample
@@ -45,19 +56,21 @@ def test_abort_of_a_running_request(server, prompts):
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
-def test_pause_then_continue_finishes_the_same_tokens(server, prompts, mode):
+def test_pause_then_continue_finishes_the_same_tokens(slow_server, prompts, mode):
     params = SamplingParams(max_new_tokens=120, temperature=0.0, ignore_eos=True)
 
     async def scenario():
-        client = SGLangClient([server.url])
+        client = SGLangClient([slow_server.url])
         try:
             (reference,) = await client.generate([prompts[2]], params)
             task = asyncio.create_task(client.generate([prompts[2]], params))
-            await _running(server.url)
+            await _running(slow_server.url)
             await client.pause(mode)
             late = asyncio.create_task(client.generate([prompts[3]], params))
+            steps = await _steps(slow_server.url)
             await asyncio.sleep(0.5)
             assert not task.done() and not late.done()  # nothing advances while paused
+            assert await _steps(slow_server.url) == steps  # not one generation step
             await client.resume()
             (sample,) = await asyncio.wait_for(task, 30)
             await asyncio.wait_for(late, 30)
@@ -70,12 +83,12 @@ def test_pause_then_continue_finishes_the_same_tokens(server, prompts, mode):
     assert sample.response_ids == reference.response_ids
 
 
-def test_pause_with_abort_mode_returns_partial_samples(server, prompts):
+def test_pause_with_abort_mode_returns_partial_samples(slow_server, prompts):
     async def scenario():
-        client = SGLangClient([server.url])
+        client = SGLangClient([slow_server.url])
         try:
             task = asyncio.create_task(client.generate([prompts[0]], LONG))
-            await _running(server.url)
+            await _running(slow_server.url)
             await client.pause("abort")
             (sample,) = await asyncio.wait_for(task, 10)
             await client.resume()

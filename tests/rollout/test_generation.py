@@ -149,35 +149,57 @@ def test_two_engine_client_balances_and_returns_every_sample(server, prompts):
 def test_connection_failures_are_retried_then_reported():
     import http.server
     import threading
-    import time
+
+    import httpx
 
     from megarl.rollout.process import free_port
     from megarl.rollout.sglang.client import EngineError
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    started: list[http.server.HTTPServer] = []
 
-    async def scenario(retries: int):
+    def serve() -> None:  # the "engine" comes back: it listens from here on
+        httpd = http.server.HTTPServer(("127.0.0.1", port), http.server.BaseHTTPRequestHandler)
+        started.append(httpd)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    class BackAfterFirstFailure(httpx.AsyncHTTPTransport):
+        """Counts connection attempts; the first refused one brings the engine back, so the
+        retry (not a lucky delay) is what reaches it, on a machine of any speed."""
+
+        def __init__(self, comes_back: bool) -> None:
+            super().__init__()
+            self.attempts = 0
+            self.comes_back = comes_back
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            self.attempts += 1
+            try:
+                return await super().handle_async_request(request)
+            except httpx.ConnectError:
+                if self.comes_back and not started:
+                    serve()
+                raise
+
+    async def scenario(retries: int, transport: BackAfterFirstFailure):
         client = SGLangClient([url], max_retries=retries, retry_backoff_s=0.2)
+        await client._http.aclose()
+        client._http = httpx.AsyncClient(transport=transport)
         try:
             return await client._request("GET", url + "/x")
         finally:
             await client.close()
 
+    never = BackAfterFirstFailure(comes_back=False)
     with pytest.raises(EngineError, match="failed after 1 attempts"):
-        run(scenario(0))
-    started: list[http.server.HTTPServer] = []
-
-    def serve_later() -> None:  # the "engine" comes back a bit later: connections fail first
-        httpd = http.server.HTTPServer(("127.0.0.1", port), http.server.BaseHTTPRequestHandler)
-        started.append(httpd)
-        httpd.serve_forever()
-
-    threading.Timer(0.3, serve_later).start()
+        run(scenario(0, never))
+    assert never.attempts == 1
+    back = BackAfterFirstFailure(comes_back=True)
     try:
-        assert run(scenario(4)).status_code == 501
+        assert run(scenario(4, back)).status_code == 501
+        assert back.attempts == 2  # refused once, then served on the first retry
     finally:
-        while not started:
-            time.sleep(0.05)
-        started[0].shutdown()
-        started[0].server_close()
+        for httpd in started:
+            httpd.shutdown()
+            httpd.server_close()

@@ -145,22 +145,27 @@ async def _client_generate(url: str, prompt: list[int]) -> list:
         await client.close()
 
 
-def test_n_samples_get_fresh_rids_and_aborting_the_parent_rid_does_nothing(server, prompts):
+def test_n_samples_get_fresh_rids_and_aborting_the_parent_rid_does_nothing(slow_server,
+                                                                           prompts):
+    # the slow server: both samples are still running when the abort arrives
     body = {"input_ids": prompts[0], "rid": "parent", "sampling_params": {
         "max_new_tokens": 150, "temperature": 0.0, "ignore_eos": True, "n": 2}}
 
     async def scenario():
-        async with httpx.AsyncClient(base_url=server.url, timeout=60) as http:
+        async with httpx.AsyncClient(base_url=slow_server.url, timeout=60) as http:
             task = asyncio.create_task(http.post("/generate", json=body))
+            running = 0
             for _ in range(500):
                 info = (await http.get("/get_server_info")).json()["internal_states"][0]
-                if info["num_running_reqs"] >= 2:
+                running = info["num_running_reqs"]
+                if running >= 2:
                     break
                 await asyncio.sleep(0.02)
             aborted = await http.post("/abort_request", json={"rid": "parent"})
-            return aborted, (await task).json()
+            return running, aborted, (await task).json()
 
-    aborted, answer = asyncio.run(scenario())
+    running, aborted, answer = asyncio.run(scenario())
+    assert running == 2, "the two samples were not seen running before the abort"
     assert aborted.status_code == 200
     ids = [a["meta_info"]["id"] for a in answer]
     assert len(set(ids)) == 2 and "parent" not in ids

@@ -96,8 +96,8 @@ def test_take_waits_for_the_producer_thread_and_times_out():
         queue.put(group(7))
         queue.put(group(8))
 
+    start = time.monotonic()  # before the producer's sleep can begin: waited >= 0.2 s
     threading.Thread(target=produce).start()
-    start = time.monotonic()
     assert [g.ordinal for g in queue.take(2, timeout_s=5)] == [7, 8]
     assert 0.15 < time.monotonic() - start < 4
     with pytest.raises(TimeoutError, match="trainer.phase_timeout_s"):

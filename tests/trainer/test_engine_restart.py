@@ -18,9 +18,11 @@ import pytest
 from megarl.batch import StepBatch
 from megarl.config import load_config
 from megarl.demo import DEMO_CONFIG, prepare_demo_assets
+from megarl.faults import ENGINE_DELAY_ENV
 from megarl.trainer import Trainer
 
 SAMPLES = 8 * 4
+STEP_DELAY_S = 0.01  # data.max_response_length=32: >= 0.32 s of generation a step
 
 
 @pytest.fixture(scope="module")
@@ -52,8 +54,14 @@ def kill_when_busy(url: str, killed: threading.Event, deadline_s: float = 120.0)
         time.sleep(0.005)
 
 
-def test_engine_killed_mid_step_is_failed_over_restarted_and_resynced(assets, tmp_path):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def test_engine_killed_mid_step_is_failed_over_restarted_and_resynced(assets, tmp_path,
+                                                                       monkeypatch):
+    if "OMP_NUM_THREADS" not in os.environ:  # for this test's Ray workers, not the session's
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    # a slow device: each generation step takes >= STEP_DELAY_S, so an engine seen generating
+    # still has requests to finish when it is killed, whatever the machine's speed (Ray's
+    # workers and the engines they start inherit the environment)
+    monkeypatch.setenv(ENGINE_DELAY_ENV, str(STEP_DELAY_S))
     overrides = [f"model.path={assets / 'model'}",
                  f"data.train_files=[{assets / 'data/train.parquet'}]",
                  f"trainer.output_dir={tmp_path / 'run'}", "trainer.loggers=[jsonl]",

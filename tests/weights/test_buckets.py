@@ -153,8 +153,21 @@ def test_buffer_pool_keeps_at_most_two_buffers_alive() -> None:
     assert live[0] == 0 and pool.live_bytes == 0
 
 
+class _WatchedCondition(threading.Condition):
+    """A condition that says when a thread first waits on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()  # still holding the lock: a notify cannot come before the wait
+        return super().wait(timeout)
+
+
 def test_buffer_pool_abort_wakes_a_blocked_acquire() -> None:
     pool = BufferPool(lambda n: torch.empty(n, dtype=torch.uint8), lambda b: None, size=8)
+    pool._cond = _WatchedCondition()  # to abort once the acquire below is blocked, not before
     pool.acquire(8)
     pool.acquire(8)
     errors: list[BaseException] = []
@@ -167,7 +180,7 @@ def test_buffer_pool_abort_wakes_a_blocked_acquire() -> None:
 
     thread = threading.Thread(target=blocked)
     thread.start()
-    time.sleep(0.05)
+    assert pool._cond.waiting.wait(timeout=10), "the third acquire did not block"
     pool.abort(RuntimeError("engine 1 died"))
     thread.join(timeout=5)
     assert errors and "engine 1 died" in str(errors[0])

@@ -177,11 +177,13 @@ class LocalEngine:
         return self.call(self._resume)
 
     def load_state(self) -> dict[str, Any]:
-        """Counts for ``/get_server_info`` (read without locking; approximate)."""
+        """Counts for ``/get_server_info`` (read without locking; approximate).
+        ``generation_steps`` (the embedded engine's, not SGLang's) lets a test see that nothing
+        ran while paused."""
         running = sum(s.finish is None for s in self._rows)
         return {"num_running_reqs": running, "num_waiting_reqs": len(self._waiting),
                 "paused": self.paused, "released": sorted(self.released),
-                "weight_version": self.weight_version}
+                "weight_version": self.weight_version, "generation_steps": self.steps}
 
     @property
     def busy(self) -> bool:
