@@ -1,11 +1,16 @@
 """Run a function on N real processes joined in a process group on 127.0.0.1; collect results.
 
-``RankPool(n)`` spawns n processes once (imports of torch/megatron are paid once per pool, not
-per case) and runs picklable top-level functions on all of them: ``pool.run(fn, *args)``
+``RankPool(n)`` starts n processes once and runs picklable top-level functions on all of them: ``pool.run(fn, *args)``
 returns ``[fn(*args) on rank 0, ..., on rank n-1]`` or raises with the failing ranks'
 tracebacks. After every call each worker tears down megatron's parallel state, so the next call
 can build another layout. A call that times out kills the pool (a rank may be stuck in a
 collective); :func:`run_on_ranks` is the one-shot form.
+
+Gloo ranks are forked from a fork server that imported torch, megatron-core and megarl's
+megatron engine once per test session (:data:`PRELOAD`), so a new pool costs a fork, not the
+seconds of those imports per rank. Each rank takes the environment and working directory its
+creator has when it starts the pool, as a spawned process would. On a machine with CUDA the
+ranks are spawned (CUDA must not be initialised in a forked process).
 """
 
 from __future__ import annotations
@@ -29,7 +34,30 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results) -> None:
+PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers",
+           "megarl.megatron.model", "megarl.megatron.update", "megarl.megatron.logprobs",
+           "megarl.megatron.checkpoint", "megarl.megatron.critic", "megarl.megatron.parallel",
+           "megarl.data.tiny_model"]
+"""Modules the fork server of gloo ranks imports once (a module missing here is imported by the
+rank that needs it, as before)."""
+
+
+def _context(backend: str):
+    import torch
+
+    if backend != "gloo" or torch.cuda.is_available():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the session's server starts
+    return ctx
+
+
+def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results,
+            env: dict[str, str], cwd: str) -> None:
+    # the fork server's environment is the one of the first pool; this pool's creator's counts
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -77,7 +105,7 @@ class RankPool:
     functions on every rank."""
 
     def __init__(self, world_size: int, backend: str = "gloo") -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context(backend)
         self.world_size = world_size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
@@ -85,7 +113,8 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(rank, world_size, port, backend, self._tasks[rank], self._results),
+                args=(rank, world_size, port, backend, self._tasks[rank], self._results,
+                      dict(os.environ), os.getcwd()),
                 daemon=True,
             )
             for rank in range(world_size)
