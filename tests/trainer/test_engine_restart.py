@@ -17,7 +17,7 @@ import pytest
 
 from megarl.batch import StepBatch
 from megarl.config import load_config
-from megarl.demo import DEMO_CONFIG, prepare_demo_assets
+from megarl.demo import DEMO_CONFIG
 from megarl.faults import ENGINE_DELAY_ENV
 from megarl.trainer import Trainer
 
@@ -26,10 +26,8 @@ STEP_DELAY_S = 0.01  # data.max_response_length=32: >= 0.32 s of generation a st
 
 
 @pytest.fixture(scope="module")
-def assets(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tiny")
-    prepare_demo_assets(root)
-    return root
+def assets(demo_assets) -> Path:
+    return demo_assets  # the session's (conftest.py)
 
 
 def server_process(url: str) -> psutil.Process:

@@ -59,16 +59,25 @@ def engine_weights(trainer: Trainer, names: list[str]) -> dict[str, torch.Tensor
     return out
 
 
-def test_three_steps_sync_weights_and_report_every_metric(assets, tmp_path):
+def test_three_steps_sync_weights_report_every_metric_and_penalise_kl(assets, tmp_path):
+    """Three steps with ``algorithm.use_kl_in_reward`` (adaptive): after every sync each tensor
+    on the engine equals the trainer's export, every metric is there and finite; the reference
+    forward runs before the advantages and the penalty is logged, and after the first update
+    the policy has moved, so the KL is > 0 and the adaptive controller moves the coefficient."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     trainer = make_trainer(assets, tmp_path / "run", "trainer.total_steps=3",
                            "data.train_batch_size=8", "rollout.n=4",
                            "actor.ppo_mini_batch_size=4", "trainer.val_every=1",
+                           "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
+                           "algorithm.kl_ctrl.kl_coef=0.1",
                            f"ray.timeline_file={tmp_path / 'timeline.json'}")
+    history = []
     try:
         trainer.setup()
+        assert trainer.cfg.ref.enabled
         for step in range(1, 4):
             metrics = trainer.step(trainer.loader.next_batch())
+            history.append(metrics)
             missing = [k for k in REQUIRED if k not in metrics]
             assert not missing, missing
             bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
@@ -92,22 +101,6 @@ def test_three_steps_sync_weights_and_report_every_metric(assets, tmp_path):
         assert (tmp_path / "timeline.json").stat().st_size > 0
     finally:
         trainer.close()
-
-
-def test_kl_in_reward_runs_with_the_reference_model(assets, tmp_path):
-    """``algorithm.use_kl_in_reward``: the reference forward runs before the advantages and
-    the penalty is logged; after the first update the policy has moved, so the KL is > 0."""
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    trainer = make_trainer(assets, tmp_path / "kl", "trainer.total_steps=2",
-                           "data.train_batch_size=4", "rollout.n=4",
-                           "actor.ppo_mini_batch_size=4", "algorithm.use_kl_in_reward=true",
-                           "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1")
-    try:
-        trainer.setup()
-        history = [trainer.step(trainer.loader.next_batch()) for _ in range(2)]
-    finally:
-        trainer.close()
-    assert trainer.cfg.ref.enabled
     assert history[0]["actor/reward_kl_penalty_coeff"] == 0.1
     assert history[1]["actor/reward_kl_penalty"] > 0
     assert history[1]["actor/reward_kl_penalty_coeff"] != 0.1  # the adaptive controller moved
