@@ -1,7 +1,8 @@
 """DESIGN.md's layering, checked on the source: a package imports downward only, the two
 engines (the Megatron train side and the rollout side) meet only through the checkpoint engine
-(``megarl.weights``), and no module imports one that imports it back (directly or around a
-circle). Imports under ``if TYPE_CHECKING:`` are type hints, not dependencies."""
+(``megarl.weights``), no module imports one that imports it back (directly or around a
+circle), and no module is over 600 lines. Imports under ``if TYPE_CHECKING:`` are type hints,
+not dependencies."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "weights": {"rollout", *ABOVE_ENGINES},
     "scheduler": TRAINER,
 }
+MAX_LINES = 600
+"""STYLE.md: a module over ~600 lines usually holds more than one role."""
 
 
 def _type_checking_lines(tree: ast.Module) -> set[int]:
@@ -180,3 +183,9 @@ def test_the_cycle_checker_sees_circles_through_init_and_functions(tmp_path):
     assert graph["megarl.pkg.b"] == {"megarl.pkg"}  # the type hint is no edge
     assert import_cycles(graph) == [["megarl.pkg", "megarl.pkg.a", "megarl.pkg.b", "megarl.pkg"]]
 
+
+def test_no_module_over_the_size_limit():
+    sizes = {path: len(path.read_text().splitlines()) for path in sorted(ROOT.rglob("*.py"))}
+    big = [f"{path.relative_to(ROOT.parent)}: {n} lines (at most {MAX_LINES})"
+           for path, n in sizes.items() if n > MAX_LINES]
+    assert not big, "\n".join(big)
