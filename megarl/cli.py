@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 # subcommand -> (help line, "module:function" taking argv and returning an exit code)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("run an RL job from a config file", "megarl.trainer:train_main"),
+    "train": ("run an RL job from a config file", "megarl.trainer.main:train_main"),
     "config": ("show or validate a config: `config show|validate CONFIG [a.b=v ...]`",
                "megarl.cli:config_main"),
     "convert": ("HF <-> Megatron checkpoint conversion (same as megarl-convert)",
@@ -30,7 +30,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 # The part of megarl that provides a subcommand, for the message when it is missing.
 MISSING_PART = {
-    "train": "the RL trainer (megarl/trainer.py)",
+    "train": "the RL trainer (megarl/trainer/)",
     "convert": "the conversion CLI (bridge/)",
     "doctor": "the environment doctor (megarl/doctor.py)",
     "serve": "the embedded rollout engine (megarl/rollout/local/)",

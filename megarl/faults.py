@@ -9,7 +9,7 @@ block: ``gen``, ``reward``, ``old_log_prob``, ``update_actor``, ``sync_weights``
 happens.
 
 ``MEGARL_FAIL_AT=POINT`` raises :class:`InjectedFault` where the driver reaches ``POINT`` of
-:func:`megarl.trainer_setup.build_workers` (``start_actor``, ``start_rollout``,
+:func:`megarl.trainer.workers.build_workers` (``start_actor``, ``start_rollout``,
 ``start_critic``): a start-up that fails after some workers exist.
 
 ``MEGARL_CKPT_WRITE_DELAY_S=SECONDS`` makes each rank's background checkpoint writer wait that

@@ -1,6 +1,8 @@
-"""DESIGN.md's layering, checked on the source: a package imports downward only, and the two
+"""DESIGN.md's layering, checked on the source: a package imports downward only, the two
 engines (the Megatron train side and the rollout side) meet only through the checkpoint engine
-(``megarl.weights``). Imports under ``if TYPE_CHECKING:`` are type hints, not dependencies."""
+(``megarl.weights``), no module imports one that imports it back (directly or around a
+circle), and no module is over 600 lines. Imports under ``if TYPE_CHECKING:`` are type hints,
+not dependencies."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "megarl"
-TRAINER = {"trainer", "trainer_setup", "trainer_critic", "trainer_checkpoint"}
+TRAINER = {"trainer"}
 ABOVE_ENGINES = {"scheduler", *TRAINER}
 # package -> top-level megarl modules it must not import (directly, at run time)
 FORBIDDEN: dict[str, set[str]] = {
@@ -28,6 +30,8 @@ FORBIDDEN: dict[str, set[str]] = {
     "weights": {"rollout", *ABOVE_ENGINES},
     "scheduler": TRAINER,
 }
+MAX_LINES = 600
+"""STYLE.md: a module over ~600 lines usually holds more than one role."""
 
 
 def _type_checking_lines(tree: ast.Module) -> set[int]:
@@ -94,8 +98,8 @@ def test_the_driver_does_not_import_megatron(tmp_path):
     """The driver builds the workers' specs from megarl.megatron.settings and names the worker
     classes by path, and finds the checkpoint to resume from (``trainer.resume=auto``) without
     megatron-core too; megatron-core (seconds to import) loads in the train workers only."""
-    code = ("import sys, types, megarl.cli, megarl.trainer, megarl.trainer_setup, "
-            "megarl.trainer_critic; from megarl.trainer_checkpoint import resume_path; "
+    code = ("import sys, types, megarl.cli, megarl.trainer, megarl.trainer.workers, "
+            "megarl.trainer.critic; from megarl.trainer.checkpoint import resume_path; "
             "trainer = types.SimpleNamespace(cfg=types.SimpleNamespace(trainer=types."
             f"SimpleNamespace(resume='auto', output_dir={str(tmp_path)!r}))); "
             "assert resume_path(trainer) is None; "
@@ -104,3 +108,84 @@ def test_the_driver_does_not_import_megatron(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True, cwd=ROOT.parent, env=env)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    """``megarl.a.b`` of ``megarl/a/b.py`` (and of ``megarl/a/b/__init__.py``)."""
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules of ``root`` it imports at run time (function-level imports too,
+    type hints not). ``from a import b`` is an edge to ``a.b`` when that is a module, else to
+    ``a``; a package's ``__init__`` is a module like any other, so its re-exports are edges."""
+    modules = {module_name(path, root): path for path in root.rglob("*.py")}
+
+    def resolve(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        hints = _type_checking_lines(tree)
+        targets: set[str | None] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and node.lineno in hints:
+                continue
+            if isinstance(node, ast.Import):
+                targets.update(resolve(a.name) for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.update(resolve(f"{node.module}.{a.name}") for a in node.names)
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every circle a depth-first walk of ``graph`` closes, each as ``[a, b, ..., a]``."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+    cycles: list[list[str]] = []
+
+    def walk(module: str) -> None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                cycles.append(path[path.index(target):] + [target])
+            elif target not in state:
+                walk(target)
+        path.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            walk(module)
+    return cycles
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, "import cycles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_cycle_checker_sees_circles_through_init_and_functions(tmp_path):
+    package = tmp_path / "megarl" / "pkg"
+    package.mkdir(parents=True)
+    (tmp_path / "megarl" / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("from megarl.pkg.a import f\n")
+    (package / "a.py").write_text("def f():\n    from megarl.pkg import b\n")
+    (package / "b.py").write_text("from typing import TYPE_CHECKING\nimport megarl.pkg\n"
+                                  "if TYPE_CHECKING:\n    from megarl.pkg.a import f\n")
+    graph = import_graph(tmp_path / "megarl")
+    assert graph["megarl.pkg.b"] == {"megarl.pkg"}  # the type hint is no edge
+    assert import_cycles(graph) == [["megarl.pkg", "megarl.pkg.a", "megarl.pkg.b", "megarl.pkg"]]
+
+
+def test_no_module_over_the_size_limit():
+    sizes = {path: len(path.read_text().splitlines()) for path in sorted(ROOT.rglob("*.py"))}
+    big = [f"{path.relative_to(ROOT.parent)}: {n} lines (at most {MAX_LINES})"
+           for path, n in sizes.items() if n > MAX_LINES]
+    assert not big, "\n".join(big)

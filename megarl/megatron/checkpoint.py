@@ -25,7 +25,8 @@ writes and publishes exactly as above. Until then ``latest`` names the previous 
 Tensors are saved as global tensors (``sharded_state_dict``: TP/PP/EP shards with their
 offsets), so a checkpoint loads under another TP/PP/EP/DP layout; the optimizer state uses the
 distributed optimizer's ``fully_reshardable`` format (per parameter, in model space). RNG
-states are per rank and restored only under the same layout and world size.
+states are per rank and restored only under the same layout and world size. What a checkpoint
+holds (fingerprint, layout, sharded state) is built in :mod:`megarl.megatron.checkpoint_state`.
 """
 
 from __future__ import annotations
@@ -35,7 +36,6 @@ import json
 import logging
 import multiprocessing as mp
 import os
-import random
 import re
 import shutil
 import time
@@ -45,17 +45,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as mpu
-from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from megatron.core.distributed import DistributedDataParallel
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
 from megarl.children import die_with_parent
 from megarl.faults import checkpoint_write_delay
@@ -67,6 +62,15 @@ from megarl.megatron.checkpoint_dirs import (
     list_checkpoints,
     step_dir_name,
 )
+from megarl.megatron.checkpoint_state import (
+    OPTIMIZER_METADATA,
+    chunk_modules,
+    current_layout,
+    model_fingerprint,
+    restore_rng_state,
+    sharded_actor_state,
+    sharded_model_state,
+)
 from megarl.megatron.model import ActorModel, load_hf_config
 from megarl.megatron.optimizer import TrainableActor
 
@@ -74,39 +78,6 @@ FORMAT_VERSION = 1
 # written next to a model-only checkpoint by ``megarl-convert hf-to-mcore`` (bridge/)
 CONVERTED_INFO = "megarl_convert.json"
 _LEFTOVER_DIR = re.compile(r"^step_\d{8}\.(tmp|old)-[0-9a-f]+$")
-_OPTIMIZER_METADATA = {
-    "distrib_optim_sharding_type": "fully_reshardable",
-    # parameter-keyed optimizer state, the same whichever sub-optimizer holds a parameter
-    "chained_optim_avoid_prefix": True,
-}
-# HF config fields that fix the shapes and meaning of the weights
-_ARCHITECTURE_FIELDS = (
-    "model_type",
-    "architectures",
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "tie_word_embeddings",
-    "num_experts",
-    "num_local_experts",
-    "n_routed_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "shared_expert_intermediate_size",
-    "n_shared_experts",
-    "first_k_dense_replace",
-    "decoder_sparse_step",
-    "mlp_only_layers",
-    "q_lora_rank",
-    "kv_lora_rank",
-    "qk_rope_head_dim",
-    "qk_nope_head_dim",
-    "v_head_dim",
-)
 
 
 @dataclass
@@ -123,80 +94,6 @@ class LoadedCheckpoint:
     """Whether optimizer state and LR-schedule progress were loaded."""
     rng_restored: bool = False
     """Whether RNG states were restored (same layout and world size only)."""
-
-
-def model_fingerprint(hf_config: Any) -> dict[str, Any]:
-    """The architecture fields of an HF config (those present), which a checkpoint must match."""
-    config = getattr(hf_config, "text_config", None) or hf_config
-    values = config.to_dict()
-    return {name: values[name] for name in _ARCHITECTURE_FIELDS if values.get(name) is not None}
-
-
-def current_layout() -> dict[str, int | None]:
-    """This process's megatron layout and world size (recorded in each checkpoint)."""
-    return {
-        "world_size": dist.get_world_size(),
-        "tp": mpu.get_tensor_model_parallel_world_size(),
-        "pp": mpu.get_pipeline_model_parallel_world_size(),
-        "vpp": mpu.get_virtual_pipeline_model_parallel_world_size(),
-        "ep": mpu.get_expert_model_parallel_world_size(),
-        "etp": mpu.get_expert_tensor_parallel_world_size(),
-        "cp": mpu.get_context_parallel_world_size(),
-        "dp": mpu.get_data_parallel_world_size(),
-    }
-
-
-def _chunk_modules(model: ActorModel) -> list[torch.nn.Module]:
-    """The GPT modules of the chunks (without their DDP wrapper, whose names add ``module.``)."""
-    return [c.module if isinstance(c, DistributedDataParallel) else c for c in model.chunks]
-
-
-def _model_sharded_state_dict(model: ActorModel) -> dict[str, Any]:
-    modules = _chunk_modules(model)
-    if len(modules) == 1:
-        return {"model": modules[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {
-        "random": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _rng_sharded_object(state: Any) -> ShardedObject:
-    """One RNG state per global rank."""
-    world = dist.get_world_size()
-    return ShardedObject("megarl.rng_state", state, (world,), (dist.get_rank(),), replica_id=0)
-
-
-def _sharded_state_dict(
-    target: ActorModel | TrainableActor, with_optimizer: bool, with_rng: bool, loading: bool
-) -> dict[str, Any]:
-    model = target.model if isinstance(target, TrainableActor) else target
-    state = _model_sharded_state_dict(model)
-    if with_optimizer:
-        state["optimizer"] = target.optimizer.sharded_state_dict(
-            state, is_loading=loading, metadata=dict(_OPTIMIZER_METADATA)
-        )
-    if with_rng:
-        state["rng_state"] = _rng_sharded_object(None if loading else _rng_state())
-    return state
 
 
 def _agreed_token() -> str:
@@ -331,7 +228,7 @@ def start_save(
     model = target.model if isinstance(target, TrainableActor) else target
     actor = target if isinstance(target, TrainableActor) else None
     with_optimizer = actor is not None and _has_state(actor)
-    state = _sharded_state_dict(target, with_optimizer, with_rng=True, loading=False)
+    state = sharded_actor_state(target, with_optimizer, with_rng=True, loading=False)
     state["megarl"] = {"step": step, "extra": dict(extra or {})}
     if actor is not None:
         state["megarl"]["scheduler"] = actor.scheduler.state_dict()
@@ -514,9 +411,9 @@ def load_checkpoint(
     with_rng = load_rng and manifest["layout"] == current_layout()
     if with_optimizer:
         _initialise_adam_state(actor)
-    request = _sharded_state_dict(target, with_optimizer, with_rng, loading=True)
+    request = sharded_actor_state(target, with_optimizer, with_rng, loading=True)
     loaded = dist_checkpointing.load(request, str(path))
-    modules = _chunk_modules(model)
+    modules = chunk_modules(model)
     for i, module in enumerate(modules):
         module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"])
     common = loaded["megarl"]
@@ -528,7 +425,7 @@ def load_checkpoint(
     if actor is not None and load_optimizer and "scheduler" in common:
         _restore_schedule_progress(actor, common["scheduler"])
     if with_rng:
-        _set_rng_state(loaded["rng_state"])
+        restore_rng_state(loaded["rng_state"])
     return LoadedCheckpoint(
         path=path,
         step=int(common["step"]),
@@ -561,9 +458,9 @@ def load_model_weights(path: str | Path, model: ActorModel) -> Path:
         path = resolve_checkpoint(path)
         saved = read_manifest(path)["model"]
     check_same_model(saved, model.hf_config, path)
-    request = _model_sharded_state_dict(model)
+    request = sharded_model_state(model)
     loaded = dist_checkpointing.load(request, str(path))
-    modules = _chunk_modules(model)
+    modules = chunk_modules(model)
     for i, module in enumerate(modules):
         module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"])
     return path
@@ -605,10 +502,10 @@ def _load_optimizer_state(actor: TrainableActor, state: dict[str, Any]) -> None:
             continue
         param_state = part.pop("param_state")
         sharding = part.pop("param_state_sharding_type")
-        if sharding != _OPTIMIZER_METADATA["distrib_optim_sharding_type"]:
+        if sharding != OPTIMIZER_METADATA["distrib_optim_sharding_type"]:
             raise ValueError(
                 f"optimizer state saved as {sharding!r}; megarl checkpoints use "
-                f"{_OPTIMIZER_METADATA['distrib_optim_sharding_type']!r}"
+                f"{OPTIMIZER_METADATA['distrib_optim_sharding_type']!r}"
             )
         opt.load_state_dict(part)
         steps = {p: st.pop("step") for p, st in opt.optimizer.state.items() if "step" in st}

@@ -11,7 +11,8 @@ schedulers only arrange it, and see the trainer through :class:`~megarl.schedule
 (they do not import the trainer module).
 """
 
-from megarl.scheduler.base import ColocateSync, Scheduler, build_scheduler
+from megarl.scheduler.base import ColocateSync, Scheduler
+from megarl.scheduler.factory import build_scheduler
 from megarl.scheduler.queue import SampleGroup, SampleQueue
 from megarl.scheduler.staleness import staleness, staleness_metrics
 

@@ -1,4 +1,4 @@
-"""What every scheduler offers the trainer's loop, the synchronous one, and the factory.
+"""What every scheduler offers the trainer's loop, and the synchronous one.
 
 A scheduler decides what overlaps with what and when weights move; it never carries its own
 copy of the step. Every scheduler trains through :meth:`Trainer.train_on` and generates through
@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import abc
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-
-from megarl.config.schema import SchedulerConfig
 
 if TYPE_CHECKING:
     from megarl.scheduler.background import BusyClock
@@ -79,40 +76,3 @@ class IdleWindow:
         busy = self.clock.busy_seconds() - self.busy
         return {f"{mode}/trainer/idle_ratio": min(1.0, trainer_wait_s / wall),
                 f"{mode}/rollouter/idle_ratio": max(0.0, 1.0 - busy / wall)}
-
-
-def default_client_factory(trainer: StepDriver) -> Callable[[], Any]:
-    """A new rollout client to the trainer's engines, for a scheduler's own event loop."""
-    from megarl.rollout.sglang import SGLangClient
-
-    cfg, client = trainer.cfg, trainer.workers.client
-
-    def make() -> SGLangClient:
-        return SGLangClient(client.urls, router_url=client.router_url,
-                            timeout_s=cfg.trainer.phase_timeout_s, api_key=cfg.rollout.api_key)
-
-    return make
-
-
-def build_scheduler(trainer: StepDriver, cfg: SchedulerConfig,
-                    make_client: Callable[[], Any] | None = None) -> Scheduler:
-    """The scheduler of ``cfg.mode`` on a set-up trainer; ``make_client`` builds the rollout
-    client of the overlapping schedulers (default: one like the trainer's)."""
-    if cfg.mode == "colocate_sync":
-        return ColocateSync(trainer)
-    if trainer.cfg.trainer.worker_group == "naive":
-        raise ValueError(f"scheduler.mode={cfg.mode} runs generation on a background thread "
-                         "next to Ray workers; the no-Ray mode (trainer.worker_group=naive) "
-                         "runs colocate_sync only: set trainer.worker_group=ray or "
-                         "scheduler.mode=colocate_sync")
-    make_client = make_client or default_client_factory(trainer)
-    if cfg.mode == "one_step_off":
-        from megarl.scheduler.one_step_off import OneStepOff
-
-        return OneStepOff(trainer, make_client)
-    if cfg.mode == "fully_async":
-        from megarl.scheduler.fully_async import FullyAsync
-
-        return FullyAsync(trainer, cfg, make_client)
-    raise ValueError(f"scheduler.mode: unknown mode {cfg.mode!r}; use colocate_sync, "
-                     "one_step_off or fully_async")

@@ -14,7 +14,7 @@ from megarl.cluster.preflight import NodePathError
 from megarl.config import load_config
 from megarl.demo import DEMO_CONFIG, prepare_demo_assets
 from megarl.faults import FAIL_ENV, InjectedFault
-from megarl.trainer_setup import build_workers
+from megarl.trainer.workers import build_workers
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_missing_data_file_is_one_line_naming_node_and_path(ray_runtime, assets,
 
 
 def test_inputs_readable_everywhere_pass(ray_runtime, assets, tmp_path):
-    from megarl.trainer_setup import check_inputs_on_nodes
+    from megarl.trainer.workers import check_inputs_on_nodes
 
     cfg = demo_config(assets, tmp_path / "run")
     assert check_inputs_on_nodes(cfg) == 1

@@ -184,8 +184,8 @@ def test_train_startup_prints_the_estimates_config_show_reports(run_files, capsy
 
 def test_train_main_prints_the_estimate_before_it_starts(run_files, capsys, monkeypatch):
     """``megarl train`` prints :func:`startup_text` first, once (rank 0)."""
-    from megarl import trainer as trainer_mod
     from megarl.data.dataset import DatasetError
+    from megarl.trainer import main as trainer_mod
 
     class Stub:
         def __init__(self, cfg, sources):

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import megarl.trainer as trainer_module
-from megarl import memory_preflight, trainer_checkpoint, trainer_setup
+from megarl import memory_preflight
 from megarl.config import load_config_dict, validate_config
 from megarl.config.derived import derive_sizes
 from megarl.config.estimates import estimate
@@ -36,6 +36,11 @@ from megarl.config.schema import RunConfig
 from megarl.config.schema_common import Section
 from megarl.scheduler import dynamic_sampling, fully_async
 from megarl.trainer import Trainer
+from megarl.trainer import base as trainer_base
+from megarl.trainer import checkpoint as trainer_checkpoint
+from megarl.trainer import main as trainer_main
+from megarl.trainer import phases as trainer_phases
+from megarl.trainer import workers as trainer_workers
 
 
 def leaf_fields(cls: type[Section] = RunConfig, prefix: str = "") -> list[str]:
@@ -82,8 +87,8 @@ class Run:
         """Everything the config is turned into without starting a process."""
         from megarl.rollout.server_worker import engine_command
         from megarl.trainer import Trainer
-        from megarl.trainer_critic import critic_spec
-        from megarl.trainer_setup import actor_spec, engine_spec, weight_sync_backend
+        from megarl.trainer.critic import critic_spec
+        from megarl.trainer.workers import actor_spec, engine_spec, weight_sync_backend
 
         cfg, _ = self.config(*overrides)
         info = load_model_info(cfg.model.path)
@@ -282,7 +287,7 @@ FIELDS: dict[str, Row] = {
         ("tp", 2), ("pp", 2), ("vpp", 2), ("ep", 2), ("etp", 2), ("cp", 2),
         ("sequence_parallel", "false"))},
     # critic (on with gae)
-    "critic.enabled": reads(trainer_setup),
+    "critic.enabled": reads(trainer_workers),
     "critic.model_path": spec("/critic", "critic.model_path", GAE),
     **optim_rows("critic", GAE),
     "critic.ppo_mini_batch_size": spec(2, "critic.optim.total_steps", GAE),
@@ -320,7 +325,7 @@ FIELDS: dict[str, Row] = {
     "rollout.multi_turn.max_tool_response_length": spec(8, "agent", MULTI_TURN, CALCULATOR),
     # checkpoint engine
     "checkpoint_engine.backend": spec("nccl", "weight_sync"),
-    "checkpoint_engine.bucket_size_mb": reads(trainer_setup),
+    "checkpoint_engine.bucket_size_mb": reads(trainer_workers),
     # algorithm
     "algorithm.adv_estimator": reads(Trainer.compute_advantages),
     "algorithm.norm_adv_by_std_in_grpo": reads(Trainer.compute_advantages),
@@ -337,17 +342,17 @@ FIELDS: dict[str, Row] = {
     "algorithm.filter_groups.enable": reads(fully_async),
     "algorithm.filter_groups.max_num_gen_batches": reads(dynamic_sampling),
     "algorithm.filter_groups.metric": refused("acc"),
-    "algorithm.rollout_correction.rollout_is": reads(trainer_module),
-    "algorithm.rollout_correction.rollout_is_threshold": reads(trainer_module,
+    "algorithm.rollout_correction.rollout_is": reads(trainer_phases),
+    "algorithm.rollout_correction.rollout_is_threshold": reads(trainer_phases,
                                                                 "rollout_correction"),
-    "algorithm.rollout_correction.rollout_is_batch_normalize": reads(trainer_module),
-    "algorithm.rollout_correction.rollout_rs": reads(trainer_module, "rollout_correction",
+    "algorithm.rollout_correction.rollout_is_batch_normalize": reads(trainer_phases),
+    "algorithm.rollout_correction.rollout_rs": reads(trainer_phases, "rollout_correction",
                                                      "rs_criteria"),
-    "algorithm.rollout_correction.rollout_rs_threshold": reads(trainer_module,
+    "algorithm.rollout_correction.rollout_rs_threshold": reads(trainer_phases,
                                                                 "rollout_correction"),
-    "algorithm.rollout_correction.rollout_rs_threshold_lower": reads(trainer_module,
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": reads(trainer_phases,
                                                                       "rollout_correction"),
-    "algorithm.rollout_correction.bypass_mode": reads(trainer_module),
+    "algorithm.rollout_correction.bypass_mode": reads(trainer_phases),
     # scheduler
     "scheduler.mode": refused("one_step_off"),
     "scheduler.staleness_threshold": spec(0.5, "queue_capacity"),
@@ -359,7 +364,7 @@ FIELDS: dict[str, Row] = {
     "resources.train_pool.gpus_per_node": spec(4, "argv"),
     "resources.rollout_pool.nnodes": spec(2, "argv", *SEPARATE),
     "resources.rollout_pool.gpus_per_node": spec(4, "argv", *SEPARATE),
-    "resources.device": reads(trainer_setup),
+    "resources.device": reads(trainer_workers),
     # documented as an input of the estimates only (a too small GPU is a warning)
     "resources.gpu_memory_gb": derived(40, "estimate"),
     # trainer
@@ -373,9 +378,9 @@ FIELDS: dict[str, Row] = {
     "trainer.project_name": reads(Trainer.setup),
     "trainer.experiment_name": reads(Trainer.setup),
     "trainer.wandb_proxy": reads(Trainer.setup),
-    "trainer.worker_group": reads(trainer_module),
+    "trainer.worker_group": reads(trainer_base),
     "trainer.val_every": reads(Trainer.setup),
-    "trainer.phase_timeout_s": reads(trainer_module),
+    "trainer.phase_timeout_s": reads(trainer_main),
     "trainer.seed": spec(7, "actor.seed"),
     "trainer.max_nonfinite_updates": reads(Trainer.__init__),
     "trainer.preflight": reads(memory_preflight.device_preflight),
@@ -386,9 +391,9 @@ FIELDS: dict[str, Row] = {
     "reward.timeout_s": reads(Trainer.setup),
     "reward.num_workers": reads(Trainer.setup),
     # ray
-    "ray.address": reads(trainer_setup),
-    "ray.num_cpus": reads(trainer_setup),
-    "ray.timeline_file": reads(trainer_module),
+    "ray.address": reads(trainer_workers),
+    "ray.num_cpus": reads(trainer_workers),
+    "ray.timeline_file": reads(trainer_base),
 }
 
 # Accepted and ignored: neither reaches a build nor is refused (issue 20's debts, all paid). This

@@ -98,7 +98,7 @@ def make_batch(scores: list[float]):
 def trainer_gae_step(cfg: Any, scores: list[float], gamma: float, lam: float) -> dict[str, Any]:
     """The trainer's critic calls on a no-Ray critic group: values, GAE, two updates, values."""
     from megarl.cluster import init_naive
-    from megarl.trainer_critic import (
+    from megarl.trainer.critic import (
         compute_values,
         critic_data_metrics,
         gae_advantages_of,

@@ -10,7 +10,7 @@ import torch
 from critic_ranks import PROMPT, make_batch
 
 from megarl.config import load_config
-from megarl.trainer_critic import CriticTargets, critic_record, critic_spec, start_critic
+from megarl.trainer.critic import CriticTargets, critic_record, critic_spec, start_critic
 
 DEMO_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny-moe-cpu.yaml"
 BASE = ["model.path=/nonexistent", "model.dtype=float32", "algorithm.adv_estimator=gae",
@@ -35,7 +35,7 @@ def test_spec_follows_the_critic_section_and_the_actor_defaults():
 
 
 def test_actor_and_critic_specs_carry_recompute():
-    from megarl.trainer_setup import actor_spec
+    from megarl.trainer.workers import actor_spec
 
     cfg, _ = load_config(str(DEMO_CONFIG), BASE + [
         "actor.recompute.granularity=full", "actor.recompute.method=block",

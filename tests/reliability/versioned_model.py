@@ -59,8 +59,8 @@ def make_versioned_model(path: Path) -> Path:
 
 class WeightPusher:
     """Plays the trainer's actor rank 0: owns a gloo weight-update group with every engine of
-    ``client`` and broadcasts versioned weights the way ``trainer_setup._weight_sync`` does (one
-    ``update_weights_from_distributed`` per bucket, the version on the last bucket)."""
+    ``client`` and broadcasts versioned weights the way ``megarl.trainer.workers._weight_sync``
+    does (one ``update_weights_from_distributed`` per bucket, the version on the last bucket)."""
 
     def __init__(self, client: SGLangClient) -> None:
         self.client = client

@@ -21,7 +21,7 @@ from megarl.demo import DEMO_CONFIG
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.process import ManagedServer
-from megarl.trainer_setup import rollout_client
+from megarl.trainer.workers import rollout_client
 
 PROMPTS = [[5, 9, 30, 41], [7, 8, 9, 10, 11, 12, 13]]
 

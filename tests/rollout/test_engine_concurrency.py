@@ -12,7 +12,7 @@ import pytest
 from megarl.config import derive_sizes, load_config_dict, load_model_info
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker, engine_command
-from megarl.trainer_setup import engine_spec
+from megarl.trainer.workers import engine_spec
 
 BASE: dict[str, Any] = {  # 60 prompts x 12 samples over 2 engines of 3 GPUs: 360 per engine
     "model": {"path": "/m"},

@@ -15,7 +15,7 @@ from megarl.batch import StepBatch
 from megarl.config import load_config_dict
 from megarl.rollout.interface import RolloutSample
 from megarl.trainer import Trainer
-from megarl.trainer_checkpoint import resume_run, save_run_checkpoint
+from megarl.trainer.checkpoint import resume_run, save_run_checkpoint
 
 BASE: dict[str, Any] = {
     "model": {"path": "/m"},

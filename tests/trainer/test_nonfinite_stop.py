@@ -84,7 +84,7 @@ def test_default_limit_is_three() -> None:
 
 
 def test_the_count_survives_a_checkpoint(tmp_path) -> None:
-    from megarl.trainer_checkpoint import resume_run, save_run_checkpoint
+    from megarl.trainer.checkpoint import resume_run, save_run_checkpoint
 
     saved: dict[str, Any] = {}
 

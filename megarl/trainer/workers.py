@@ -34,7 +34,7 @@ from megarl.megatron.settings import (
 from megarl.rollout.routed_experts import RoutedExpertsLayout
 from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker
 from megarl.rollout.sglang import SGLangClient
-from megarl.trainer_critic import CriticWorkers, start_critic
+from megarl.trainer.critic import CriticWorkers, start_critic
 from megarl.weights.flattened import FLATTENED_BUCKET
 from megarl.weights.sglang_sender import BucketSpec, plan_buckets
 
