@@ -78,3 +78,20 @@ def test_a_damaged_fp8_checkpoint_is_refused_in_one_line(fp8_model, tmp_path, da
     save_file(tensors, tmp_path / "m" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConversionError, match=message):
         inspect_hf_model(tmp_path / "m")
+
+
+def test_the_reader_dequantizes_fp8_weights_and_reads_others_as_stored(fp8_model):
+    """HFWeightReader, which make_bridge gives every bridge (the trainer's direct HF load and
+    the conversion alike; building a bridge needs megatron's parallel groups, the conversion
+    test above exercises that path)."""
+    from megarl.megatron.hf_reader import HFWeightReader
+
+    fp8_dir, dequantized_dir = fp8_model
+    reader = HFWeightReader(str(fp8_dir))
+    names = ["model.layers.1.mlp.experts.2.down_proj.weight", "model.layers.0.mlp.gate.weight",
+             "model.layers.0.self_attn.k_proj.weight"]
+    expected = load_file(dequantized_dir / "model.safetensors")
+    loaded = reader.load_some_hf_weight(names)
+    assert sorted(loaded) == sorted(names)
+    for name in names:
+        assert torch.equal(loaded[name], expected[name]), name
