@@ -336,16 +336,44 @@ def inspect_hf_model(path: str | Path, flag: str = "--hf") -> HFModel:
     load_transformers_config(hf_dir)
     info = model_info(config, str(hf_dir / "config.json"))
     tensors = hf_weight_index(hf_dir)
-    check_not_quantized(tensors, hf_dir)
+    check_fp8_scales(config, tensors, hf_dir)
     return HFModel(path=hf_dir.absolute(), config=config, model_type=model_type, info=info,
                    tensors=tensors)
 
 
-def check_not_quantized(tensors: dict[str, TensorEntry], hf_dir: Path) -> None:
-    """Refuse block-quantised FP8 weights (DeepSeek-V3's release format: ``*_scale_inv``)."""
-    scales = sorted(name for name in tensors if name.endswith("_scale_inv"))
-    if scales:
+def check_fp8_scales(config: dict[str, Any], tensors: dict[str, TensorEntry],
+                     hf_dir: Path) -> int:
+    """Check block-quantized FP8 weights (DeepSeek-V3's and Qwen3's release format: an
+    ``X`` in float8_e4m3fn next to ``X_scale_inv``, dequantized on load); returns how many
+    weights are quantized. One line for a scale without its weight, an fp8 weight without its
+    scale, a scale of the wrong shape, or scales without config.json's fp8 quantization_config."""
+    from megarl.megatron.hf_reader import fp8_block_size
+    from megarl.weights.fp8 import SCALE_SUFFIX, scale_shape
+
+    scales = sorted(name for name in tensors if name.endswith(SCALE_SUFFIX))
+    fp8 = sorted(name for name, entry in tensors.items() if entry.dtype.startswith("float8"))
+    if not scales and not fp8:
+        return 0
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "fp8" or not quant.get("weight_block_size"):
         raise ConversionError(
-            f"--hf {hf_dir}: FP8 block-quantised weights ({len(scales)} scale tensors, e.g. "
-            f"{scales[0]}) are not converted; dequantize the checkpoint to bf16 safetensors "
-            "first (DeepSeek's inference/fp8_cast_bf16.py)")
+            f"--hf {hf_dir}: the weights hold FP8 / *{SCALE_SUFFIX} tensors (e.g. "
+            f"{(scales or fp8)[0]}) but config.json has no quantization_config with "
+            "quant_method fp8 and weight_block_size; only block-quantized FP8 checkpoints "
+            "(DeepSeek-V3 / Qwen3 FP8 releases) are read")
+    block = fp8_block_size(hf_dir)
+    for scale in scales:
+        weight = tensors.get(scale.removesuffix(SCALE_SUFFIX))
+        if weight is None or not weight.dtype.startswith("float8_e4m3"):
+            raise ConversionError(f"--hf {hf_dir}: {scale} has no float8_e4m3fn weight "
+                                  f"{scale.removesuffix(SCALE_SUFFIX)} next to it")
+        if tensors[scale].shape != scale_shape(weight.shape, block):
+            raise ConversionError(
+                f"--hf {hf_dir}: {scale} has shape {list(tensors[scale].shape)}; its weight "
+                f"{list(weight.shape)} in {block[0]}x{block[1]} blocks needs "
+                f"{list(scale_shape(weight.shape, block))}")
+    unscaled = [name for name in fp8 if name + SCALE_SUFFIX not in tensors]
+    if unscaled:
+        raise ConversionError(f"--hf {hf_dir}: FP8 tensor {unscaled[0]} has no "
+                              f"{unscaled[0]}{SCALE_SUFFIX}; cannot dequantize it")
+    return len(scales)

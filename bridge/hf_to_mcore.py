@@ -9,6 +9,7 @@ one tensor at a time (mbridge's memory-efficient path) and joins one collective
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import time
@@ -30,6 +31,7 @@ from bridge.checks import (
 )
 from bridge.launch import Runner, spawn_ranks
 from bridge.mcore_checkpoint import HF_SUBDIR, save_model, write_convert_info
+from megarl.weights.fp8 import SCALE_SUFFIX
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # HF tensors that a model legitimately does not load (older checkpoints store RoPE buffers).
@@ -128,13 +130,15 @@ def check_weights_match(model: Any, tensors: dict[str, TensorEntry], hf_dir: str
 
 def _load_hf_weights(model: Any, hf_dir: str, count: int, show: bool) -> None:
     """mbridge's tensor-by-tensor load of the HF weights, with a progress bar on rank 0."""
-    from mbridge.core.safetensor_io import SafeTensorIO
     from tqdm import tqdm
+
+    from megarl.megatron.hf_reader import HFWeightReader
 
     bar = tqdm(total=count, desc="load HF tensors", unit="tensor", disable=not show)
 
-    class CountingIO(SafeTensorIO):
-        """mbridge's safetensors reader, advancing the progress bar per tensor read."""
+    class CountingIO(HFWeightReader):
+        """megarl's safetensors reader (FP8 weights dequantized), advancing the progress bar
+        per tensor read."""
 
         def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict:
             """Read the named tensors (mbridge calls this with one name at a time)."""
@@ -178,7 +182,10 @@ def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout, dtype: str | No
     dtype = dtype or weights_dtype(model.tensors)
     out = check_new_output(out)
     skipped = set(mtp_layer_tensors(model.config, model.tensors))
-    tensors = {name: entry for name, entry in model.tensors.items() if name not in skipped}
+    # an FP8 weight's scale is read with the weight (HFWeightReader), not as a tensor of its own
+    scales = {name for name in model.tensors if name.endswith(SCALE_SUFFIX)}
+    tensors = {name: entry for name, entry in model.tensors.items()
+               if name not in skipped and name not in scales}
     nbytes = sum(entry.nbytes for entry in tensors.values())
     start = time.perf_counter()
     with staged_output(out) as stage:
@@ -192,15 +199,22 @@ def hf_to_mcore(hf: str | Path, out: str | Path, layout: Layout, dtype: str | No
             "source": str(model.path),
             "hf_tensors": len(tensors),
             "hf_bytes": nbytes,
+            "dequantized_fp8_tensors": len(scales - skipped),
         })
     seconds = time.perf_counter() - start
     return {"out": str(out), "bytes": nbytes, "tensors": len(tensors),
             "seconds": seconds, "dtype": dtype, "rank0_phases": phases,
-            "skipped_mtp_tensors": len(skipped)}
+            "skipped_mtp_tensors": len(skipped),
+            "dequantized_fp8_tensors": len(scales - skipped)}
 
 
 def _write_hf_files(model: HFModel, directory: Path) -> None:
-    """The HF config and tokenizer files next to the checkpoint, for mcore-to-hf."""
+    """The HF config and tokenizer files next to the checkpoint, for mcore-to-hf. The
+    checkpoint holds dequantized weights, so the config loses an FP8 ``quantization_config``."""
     directory.mkdir()
-    shutil.copy2(model.path / "config.json", directory / "config.json")
+    if "quantization_config" in model.config:
+        config = {k: v for k, v in model.config.items() if k != "quantization_config"}
+        (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    else:
+        shutil.copy2(model.path / "config.json", directory / "config.json")
     copy_model_files(model.path, directory)

@@ -86,6 +86,11 @@ class RolloutConfig(Section):
         "engines return the routed experts of every token (needed by R3); null = on when "
         "`actor.router_replay.mode` is R3"))
     dtype: Dtype | None = Field(None, description="engine weight dtype; null = `model.dtype`")
+    quantization: Literal["fp8"] | None = Field(None, description=(
+        "weights the engines compute with: null = `rollout.dtype`; fp8 = blockwise FP8 "
+        "(e4m3, 128x128 `weight_scale_inv` blocks, the format of DeepSeek-V3 / Qwen3 FP8 "
+        "releases; docs/fp8.md), quantized on the train side at every weight sync. fp8 is "
+        "refused: not built in this version"))
     api_key: str | None = Field(None, repr=False, description=(
         "key every HTTP endpoint of the engines requires (`Authorization: Bearer <key>`), "
         "weight updates and control included; required when `host` is not a loopback "

@@ -14,9 +14,9 @@ and changes what does not work with the installed versions:
 - no multi-token-prediction block: HF transformers' ``DeepseekV3ForCausalLM`` has none (it
   ignores a checkpoint's MTP layers), so mbridge's MTP provider and its 61-layer special cases
   are not used; the model provider is the generic one (which also pads the vocabulary);
-- the weights reader: mbridge's reads only FP8 checkpoints and only into bf16; here plain
-  safetensors of any float dtype are read as stored (cast by mbridge to the model dtype), and
-  FP8 checkpoints still go through mbridge's dequantising reader (bf16 on GPU only).
+- the weights reader: mbridge's reads only FP8 checkpoints, with a GPU kernel, into bf16;
+  megarl's bridges all read through ``megarl.megatron.hf_reader.HFWeightReader`` (set by
+  ``make_bridge``), which reads plain safetensors as stored and dequantizes FP8 ones on CPU.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from __future__ import annotations
 from typing import Any
 
 from mbridge.core import LLMBridge, register_model
-from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.models.deepseek_v3 import DeepseekV3Bridge as MbridgeDeepseekV3Bridge
 
 ROPE_TYPES = ("default", "yarn")
@@ -138,14 +137,9 @@ def mla_config_kwargs(hf_config: Any) -> dict[str, Any]:
     }
 
 
-def has_fp8_weights(reader: SafeTensorIO) -> bool:
-    """Whether the checkpoint stores block-quantised FP8 weights (``*_scale_inv`` tensors)."""
-    return any(name.endswith("_scale_inv") for name in reader.load_hf_weight_names())
-
-
 @register_model("deepseek_v3")
 class DeepseekV3Bridge(MbridgeDeepseekV3Bridge):
-    """mbridge's DeepSeek-V3 bridge with the config, provider and reader fixed (module doc)."""
+    """mbridge's DeepSeek-V3 bridge with the config and provider fixed (module doc)."""
 
     def _build_config(self) -> Any:
         return self._build_base_config(**mla_config_kwargs(self.hf_config))
@@ -153,13 +147,6 @@ class DeepseekV3Bridge(MbridgeDeepseekV3Bridge):
     def _model_provider(self, post_model_creation_callbacks: list) -> Any:
         return LLMBridge._model_provider(self, post_model_creation_callbacks)
 
-    def _get_safetensor_io(self, weights_path: str) -> SafeTensorIO:
-        reader = SafeTensorIO(self._get_actual_hf_path(weights_path))
-        if not has_fp8_weights(reader):
-            return reader
-        import torch
-
-        if self.dtype is not torch.bfloat16 or not torch.cuda.is_available():
-            raise ValueError(f"{weights_path}: FP8 DeepSeek-V3 weights load only in bf16 on a "
-                             "GPU; dequantize the checkpoint to bf16 safetensors first")
-        return super()._get_safetensor_io(weights_path)
+    # mbridge's class reads FP8 checkpoints only, through a GPU kernel; make_bridge sets every
+    # instance's reader to megarl's HFWeightReader, and without it the generic one is used
+    _get_safetensor_io = LLMBridge._get_safetensor_io

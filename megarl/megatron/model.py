@@ -22,6 +22,7 @@ from megarl.megatron import (
     cpu_compat,
     deepseek_bridge,  # registers megarl's DeepSeek-V3 bridge with mbridge
 )
+from megarl.megatron.hf_reader import HFWeightReader
 from megarl.megatron.mla_spec import mla_decoder_block_spec
 from megarl.megatron.native_spec import (
     NATIVE_CONFIG_OVERRIDES,
@@ -107,7 +108,8 @@ def make_bridge(hf_config: Any, **kwargs: Any) -> Any:
     bridges: for tied embeddings mbridge's Qwen2 bridge (also Qwen3's) rewrites its *class's*
     ``_DIRECT_MAPPING`` in place, so every later Qwen2/Qwen3 bridge of the process would map
     ``output_layer.weight`` to the embedding. The adjusted mapping stays on this instance and
-    the classes get theirs back."""
+    the classes get theirs back. The bridge reads HF weights through :class:`HFWeightReader`
+    (FP8 block-quantized checkpoints are dequantized on load)."""
     from mbridge import AutoBridge
     from mbridge.core.bridge import _MODEL_REGISTRY
 
@@ -116,6 +118,7 @@ def make_bridge(hf_config: Any, **kwargs: Any) -> Any:
     saved = {cls: dict(vars(cls)["_DIRECT_MAPPING"]) for cls in owners}
     try:
         bridge = AutoBridge.from_config(hf_config, **kwargs)
+        bridge._get_safetensor_io = lambda path: HFWeightReader(bridge._get_actual_hf_path(path))
         if owners:
             bridge._DIRECT_MAPPING = dict(vars(owners[0])["_DIRECT_MAPPING"])
     finally:

@@ -1,7 +1,7 @@
 """DeepSeek-V3 specifics: megarl's engine (native MLA spec, unsplit) against HF transformers,
 with the routing features and YaRN that mbridge's bridge leaves out shown to matter; tensor
 parallel gradients; a bf16 round trip; ``verify`` catching a corrupted routing bias and MLA
-key/value split; the MTP layer of DeepSeek's release skipped and its FP8 format refused."""
+key/value split; the MTP layer of DeepSeek's release skipped and its FP8 format dequantized."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from bridge_cases import assert_same_tensors, read_tensors
+from bridge_cases import assert_same_tensors, fp8_copies, read_tensors
 from safetensors.torch import load_file, save_file
 
 from bridge.checks import ConversionError, Layout
@@ -199,12 +199,22 @@ def test_multi_token_prediction_layer_is_skipped(tiny_models, ranks, tmp_path):
     assert_same_tensors(read_tensors(tiny_models["deepseek_v3"]), read_tensors(tmp_path / "hf"))
 
 
-def test_fp8_checkpoint_is_refused(tiny_models, tmp_path):
-    """DeepSeek's FP8 release format (``weight_scale_inv`` next to fp8 weights): one line."""
+def test_fp8_checkpoint_converts_dequantized(tiny_models, ranks, tmp_path):
+    """DeepSeek's FP8 release format (MLA projections and experts in float8_e4m3fn with
+    ``weight_scale_inv``, one ragged block each here) converts to the dequantized weights."""
+    quantized = fp8_copies(tiny_models["deepseek_v3"], tmp_path / "fp8", tmp_path / "dequantized")
+    summary = hf_to_mcore(tmp_path / "fp8", tmp_path / "mcore", Layout(ep=2), runner=ranks.runner)
+    assert summary["dequantized_fp8_tensors"] == quantized > 0
+    mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    assert_same_tensors(read_tensors(tmp_path / "dequantized"), read_tensors(tmp_path / "hf"))
+
+
+def test_fp8_scales_without_quantization_config_are_refused(tiny_models, tmp_path):
+    """``weight_scale_inv`` next to fp8 weights but no fp8 quantization_config: one line."""
     name = "model.layers.0.self_attn.o_proj.weight"
     source = rewritten_copy(tiny_models["deepseek_v3"], tmp_path / "fp8", lambda tensors: {
         **tensors, name: tensors[name].to(torch.float8_e4m3fn),
         f"{name}_scale_inv": torch.ones(1, 1)})
-    with pytest.raises(ConversionError, match="FP8 block-quantised weights .* dequantize"):
+    with pytest.raises(ConversionError, match="FP8 .* no quantization_config with quant_method"):
         hf_to_mcore(source, tmp_path / "mcore", Layout(ep=2))
     assert not (tmp_path / "mcore").exists()
