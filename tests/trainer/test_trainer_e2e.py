@@ -315,14 +315,15 @@ def test_the_tools_demo_learns_to_call_the_calculator(tmp_path):
     """`megarl demo --tools` in short: the warm-started tiny model (calls the calculator in ~30%
     of its samples, guesses in the rest) trained with GRPO on `tool_multiply` episodes. The
     tool-call rate and the reward of the last 20% of steps exceed the first 20%'s by 0.15
-    (measured: calls 0.27 -> 0.97, reward 0.14 -> 0.61 in 15 steps)."""
+    (measured over 10 steps, first two vs last two: calls 0.29 -> 0.82, reward 0.24 -> 0.57,
+    turns 1.28 -> 1.81; the rise goes on to calls 0.98 by step 15)."""
     from dataclasses import replace
 
     from megarl.demo import DEMOS, prepare_demo_assets
 
     spec = replace(DEMOS["tools"], root=tmp_path / "tools")
     root = prepare_demo_assets(spec.root, spec=spec)[0].parent
-    steps = 15
+    steps = 10
     base = [f"model.path={root / 'model'}", f"data.train_files=[{root / 'data/train.parquet'}]",
             f"data.val_files=[{root / 'data/val.parquet'}]", f"trainer.output_dir={tmp_path / 'run'}",
             "trainer.loggers=[jsonl]", f"trainer.total_steps={steps}"]
