@@ -3,7 +3,7 @@
 source benchmarks/h200/setup.sh
 shape=$1; shift
 set -o pipefail
-timeout ${E2E_TIMEOUT:-480} python3 benchmarks/e2e_step.py --shape "$shape" --trl off \
+PYTHONFAULTHANDLER=1 timeout -s ABRT -k 15 ${E2E_TIMEOUT:-480} python3 benchmarks/e2e_step.py --shape "$shape" --trl off \
   --out /tmp/e2e --set "$@" 2>&1 | tee $OUT/e2e_$shape.log | grep -v -i "warn" | tail -60
 rc=$?
 cp /tmp/e2e/e2e_step.json $OUT/e2e_step_$shape.json 2>/dev/null

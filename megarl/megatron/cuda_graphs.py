@@ -18,6 +18,16 @@ model chunk and its backward can be captured once per micro-batch shape and repl
   autograd graph: its backward replays the backward graph and hands the parameter gradients to
   autograd, so megatron's DDP hooks accumulate them into ``main_grad`` as in eager mode.
 
+The graphs run the chunk on *leaf aliases* of its trainable parameters (tensors that share each
+parameter's storage, made per bucket), not on the parameters themselves, and capture on one side
+stream that also runs the warm-up. With torch 2.11 on the H200 every capture failed
+(``cudaErrorStreamCaptureInvalidated`` at the backward's first weight gradient), next to torch's
+warning that "the AccumulateGrad node's stream does not match the stream of the node that
+produced the incoming gradient": autograd hands a leaf's gradient over on the stream its
+``AccumulateGrad`` node was made on, and megatron's DDP keeps the parameters' nodes alive from the
+model build, on the default stream, which a capture cannot wait on. The aliases' nodes are made
+on the capture stream.
+
 Because buckets share one pool, a micro-batch's backward must run before the next forward (the
 order of megatron's no-pipelining schedule); :class:`GraphedChunk` checks it. Pipeline
 parallelism, dropout and router replay are not graphed (:func:`graph_unsupported_reason`).
@@ -71,6 +81,8 @@ class _Bucket:
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
+    leaves: dict[str, torch.Tensor] | None = None
+    """Leaf aliases of the trainable parameters the bucket's graphs run on (module docstring)."""
     forward: Callable[[], None] | None = None
     backward: Callable[[], None] | None = None
     output: torch.Tensor | None = None
@@ -88,12 +100,14 @@ class GraphedChunk:
         if bucket_tokens < 1:
             raise ValueError(f"bucket_tokens={bucket_tokens}: must be >= 1")
         self.module = getattr(chunk, "module", chunk)  # through megatron's DDP wrapper
+        self.names = [n for n, p in self.module.named_parameters() if p.requires_grad]
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.bucket_tokens = bucket_tokens
         self.max_buckets = max_buckets
         self.emulate = emulate
         self.buckets: dict[tuple[int, int], _Bucket] = {}
         self._pool = None
+        self._stream: torch.cuda.Stream | None = None
         self._pending: _Bucket | None = None
         self.failed: str | None = None
         """Why a capture failed (the chunk then runs eagerly), None while graphs work."""
@@ -135,30 +149,40 @@ class GraphedChunk:
         # RoPE tables are cached by the identity of the offsets tensor, whose values changed
         clear_rotary_tables()
 
+    def _leaves(self) -> dict[str, torch.Tensor]:
+        """Fresh leaf tensors on the trainable parameters' storage, by parameter name."""
+        return {name: p.detach().requires_grad_(True) for name, p in zip(self.names, self.params)}
+
     def _run_forward(self, bucket: _Bucket) -> torch.Tensor:
         cu, padded = bucket.cu_seqlens, bucket.cu_seqlens_padded
         params = PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
             cu_seqlens_kv_padded=padded, max_seqlen_q=bucket.tokens,
             max_seqlen_kv=bucket.tokens)
-        return self.module(bucket.input_ids, bucket.position_ids, None, packed_seq_params=params)
+        return torch.func.functional_call(
+            self.module, bucket.leaves, (bucket.input_ids, bucket.position_ids, None),
+            {"packed_seq_params": params}, tie_weights=True, strict=False)
 
-    def _run_backward(self, output: torch.Tensor,
+    def _run_backward(self, bucket: _Bucket, output: torch.Tensor,
                       grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        return torch.autograd.grad(output, self.params, grad_output, allow_unused=True)
+        return torch.autograd.grad(output, list(bucket.leaves.values()), grad_output,
+                                   allow_unused=True)
 
     # ----- capture -----
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up, then capture the bucket's forward and backward graphs."""
+        bucket.leaves = self._leaves()
         if self.emulate:
             self._emulate(bucket)
             return
-        stream = torch.cuda.Stream()
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
+        stream = self._stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
                 out = self._run_forward(bucket)
-                self._run_backward(out, torch.zeros_like(out))
+                self._run_backward(bucket, out, torch.zeros_like(out))
                 del out
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
@@ -170,11 +194,13 @@ class GraphedChunk:
         # not invalidate the capture
         mode = "thread_local"
         try:
-            with torch.cuda.graph(forward, pool=self._pool, capture_error_mode=mode):
+            with torch.cuda.graph(forward, pool=self._pool, stream=stream,
+                                  capture_error_mode=mode):
                 output = self._run_forward(bucket)
             grad_output = torch.empty_like(output)
-            with torch.cuda.graph(backward, pool=self._pool, capture_error_mode=mode):
-                grads = self._run_backward(output, grad_output)
+            with torch.cuda.graph(backward, pool=self._pool, stream=stream,
+                                  capture_error_mode=mode):
+                grads = self._run_backward(bucket, output, grad_output)
         finally:
             clear_rotary_tables()
         bucket.forward, bucket.backward = forward.replay, backward.replay
@@ -191,7 +217,7 @@ class GraphedChunk:
             bucket.output = state["out"].detach()
 
         def backward() -> None:
-            bucket.grads = self._run_backward(state.pop("out"), bucket.grad_output)
+            bucket.grads = self._run_backward(bucket, state.pop("out"), bucket.grad_output)
 
         forward()
         bucket.grad_output = torch.empty_like(bucket.output)
