@@ -19,6 +19,7 @@ token + causal attention) and MFU against the bf16 matmul rate measured in the s
 from __future__ import annotations
 
 import argparse
+import gc
 import itertools
 import json
 import socket
@@ -135,6 +136,10 @@ def write_hf_model(root: Path, shape: dict[str, Any], device: str, dtype: torch.
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(root, safe_serialization=True)
+    del model
+    if torch.cuda.is_available():  # a device preflight after this must see the memory free
+        gc.collect()
+        torch.cuda.empty_cache()
     return root
 
 

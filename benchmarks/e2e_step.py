@@ -240,6 +240,10 @@ def micro_batch_overrides(args: argparse.Namespace, samples: int) -> list[str]:
     return [*knobs, f"actor.ppo_micro_batch_size_per_gpu={max(1, samples // args.micro_batches)}"]
 
 
+STEP_PHASES = ("gen", "old_log_prob", "update_actor", "offload_actor", "sync_weights")
+"""The phases each step's progress line shows (seconds)."""
+
+
 def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
                prompts: list[list[int]]) -> dict[str, Any]:
     """Warm-up and timed colocated GRPO steps through the real trainer; per-step metrics."""
@@ -270,8 +274,13 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
     trainer = Trainer(cfg, sources)
     history: list[dict[str, float]] = []
     walls: list[float] = []
+    steps_log = args.out / shape / "megarl" / "steps.jsonl"  # each step as it ends: a run cut
+    steps_log.parent.mkdir(parents=True, exist_ok=True)     # short keeps what it measured
+    steps_log.write_text("")
+    started = time.perf_counter()
     try:
         trainer.setup()
+        print(f"[megarl {shape}] setup: {time.perf_counter() - started:.1f} s", flush=True)
         urls = trainer.workers.client.urls
         trainer.run(trainer.workers.client.close())
         trainer.workers.client = ForcedLengthClient(
@@ -285,12 +294,20 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
                 metrics = scheduler.step(last=k == total - 1)
                 walls.append(time.perf_counter() - start)
                 history.append(metrics)
-                print(f"[megarl {shape}] step {k + 1}/{total}: {walls[-1]:.2f} s", flush=True)
+                with steps_log.open("a") as f:
+                    f.write(json.dumps({"step": k + 1, "wall_s": walls[-1], **metrics}) + "\n")
+                print(f"[megarl {shape}] step {k + 1}/{total}: {walls[-1]:.2f} s ("
+                      + ", ".join(f"{name} {metrics.get('timing/' + name, float('nan')):.1f}"
+                                  for name in STEP_PHASES)
+                      + f"; peak {metrics.get('perf/max_memory_allocated_gb', float('nan')):.1f}"
+                        " GB)", flush=True)
             scheduler.finish()
         finally:
             scheduler.close()
     finally:
+        closing = time.perf_counter()
         trainer.close()
+        print(f"[megarl {shape}] close: {time.perf_counter() - closing:.1f} s", flush=True)
     return {"walls": walls[args.warmup:], "metrics": history[args.warmup:]}
 
 

@@ -78,7 +78,8 @@ class RolloutConfig(Section):
         "capped by the KV cache that fits (the number `megarl config show` prints)"))
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description=(
         "fraction of GPU memory an engine may use for weights + KV cache (SGLang "
-        "`mem_fraction_static`)"))
+        "`mem_fraction_static`; the embedded engine admits rows only while their KV cache at "
+        "full length fits what it leaves next to the weights)"))
     colocate: bool = Field(True, description=(
         "engines share the train pool's GPUs (memory is released between phases); false = a "
         "separate `resources.rollout_pool`"))

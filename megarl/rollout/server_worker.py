@@ -54,6 +54,8 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
     """The argv that starts the engine of ``rank`` (the embedded server or SGLang's)."""
     if spec.backend == "local":
         extra = ["--dtype", spec.dtype]
+        if spec.mem_fraction is not None and device == "cuda":
+            extra += ["--mem-fraction-static", str(spec.mem_fraction)]
         if spec.max_running_requests:
             extra += ["--max-running-requests", str(spec.max_running_requests)]
         if spec.trust_remote_code:

@@ -1,7 +1,9 @@
 """The embedded engine's scheduler: continuous batching on one thread that owns the model.
 
 Requests (one prompt, ``n`` samples) wait in a queue; every step admits waiting prompts up to
-the row and prefill-token budgets, prefills them together (the prompt once, its KV copied to
+the row, prefill-token and KV-cache budgets (``max_total_tokens``: the token slots the KV cache
+may hold at its peak, each row counted at its final length, prompt + ``max_new_tokens``, as
+SGLang's ``--max-total-tokens`` bounds its pool), prefills them together (the prompt once, its KV copied to
 the ``n`` sample rows), samples their first tokens and adds them to the running batch; then the
 whole batch decodes one token. Requests that arrive while others run join at the next step.
 
@@ -79,6 +81,11 @@ class Sample:
     weight_version: str = ""
 
 
+def _final_length(s: Sample) -> int:
+    """Tokens a sample's row holds when it ends: its prompt plus every token it may draw."""
+    return len(s.request.prompt_ids) + s.max_new_tokens
+
+
 @dataclass
 class SampleResult:
     """A finished sample as the HTTP layer reports it."""
@@ -107,8 +114,11 @@ class LocalEngine:
 
     def __init__(self, runner: ModelRunner, *, max_running_requests: int = 256,
                  max_prefill_tokens: int = 16384, weight_version: str = "default",
-                 seed: int | None = None, deterministic: bool = False) -> None:
+                 seed: int | None = None, deterministic: bool = False,
+                 max_total_tokens: int | None = None) -> None:
         self.runner = runner
+        self.max_total_tokens = max_total_tokens
+        """KV token slots the cache may hold at its peak (None: no limit)."""
         self.deterministic = deterministic
         """Honour ``sampling_seed`` (SGLang's ``--enable-deterministic-inference``): every sample
         of a request draws from that seed alone; otherwise it is ignored."""
@@ -250,20 +260,47 @@ class LocalEngine:
         return None, int(torch.randint(1 << 62, (1,), generator=self._row_seeds))
 
     def _admit(self) -> list[_Prefill]:
-        """Waiting prefills that fit the row and prefill-token budgets (at least one if idle)."""
+        """Waiting prefills that fit the row, prefill-token and KV budgets (at least one if idle
+        and its KV fits at all), with the KV cache sized for their final lengths."""
+        budget = self.max_total_tokens
+        if budget is not None and self._waiting:
+            self._settle(compact=True)  # finished rows would hold KV slots
         admitted: list[_Prefill] = []
         rows, width = len(self._rows), 0
+        final = max((_final_length(s) for s in self._rows), default=0)
         while self._waiting:
             unit = self._waiting[0]
             new_width = max(width, len(unit.context))
+            new_final = max(final, max(_final_length(s) for s in unit.samples))
             over_rows = rows + len(unit.samples) > self.max_running_requests
             over_tokens = new_width * (len(admitted) + 1) > self.max_prefill_tokens
             if (over_rows and rows > 0) or (over_tokens and admitted):
                 break
+            if budget is not None:
+                peak = self.runner.peak_kv_tokens(rows + len(unit.samples), new_final)
+                if peak > budget:
+                    if rows == 0 and not admitted:  # it would not fit on an idle engine either
+                        self._refuse(self._waiting.popleft(), peak, budget)
+                        continue
+                    break
             admitted.append(self._waiting.popleft())
             rows += len(unit.samples)
-            width = new_width
+            width, final = new_width, new_final
+        if admitted:
+            self.runner.reserve(rows, final)
         return admitted
+
+    def _refuse(self, unit: _Prefill, peak: int, budget: int) -> None:
+        """Finish a prompt whose samples' KV cannot fit the cache (as aborted, with why)."""
+        samples = unit.samples
+        message = (f"{len(samples)} sample(s) of up to {_final_length(samples[0])} tokens need "
+                   f"{peak} KV token slots; the engine holds {budget} (--max-total-tokens, or "
+                   "--mem-fraction-static of the device); lower max_new_tokens or n, or give "
+                   "the engine more memory")
+        logger.warning("refused a request: %s", message)
+        for s in samples:
+            s.finish = {"type": "abort", "message": message}
+        self._retire(samples)
 
     def _step(self) -> None:
         admitted = self._admit()

@@ -215,6 +215,31 @@ class ModelRunner:
         tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
         return sum(t.numel() * t.element_size() for t in tensors.values())
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of keys and values one token takes over all layers."""
+        if self.native is not None:
+            return self.native.cache.bytes_per_token
+        cfg = self.config
+        heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * int(cfg.num_hidden_layers) * heads * head_dim * itemsize
+
+    def peak_kv_tokens(self, rows: int, length: int) -> int:
+        """KV token slots held at the peak of running ``rows`` rows up to ``length`` tokens:
+        exact on the native path (its static cache, with the copy when it grows); on the HF path
+        the padded ``rows x length`` batch."""
+        if self.native is not None:
+            return self.native.peak_kv_tokens(rows, length)
+        return rows * length
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Size the KV cache for ``rows`` running rows up to ``length`` tokens (native path; the
+        HF path grows its batch as it decodes)."""
+        if self.native is not None:
+            self.native.reserve(rows, length)
+
     def release_kv_cache(self) -> None:
         """Drop the running rows and free the KV cache (and CUDA graphs) until the next use."""
         self.clear_rows()

@@ -60,6 +60,8 @@ from megarl.rollout.local.weight_updates import WeightReceiver
 from megarl.rollout.routed_experts import RoutedExpertsLayout
 
 logger = logging.getLogger(__name__)
+DEFAULT_MEM_FRACTION = 0.8
+"""--mem-fraction-static when not given (rollout.gpu_memory_utilization's default)."""
 
 
 class InvalidBody(BadRequest):
@@ -264,8 +266,11 @@ def _info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/get_server_info")
     async def get_server_info() -> Any:
-        return {**state.args, "internal_states": [engine.load_state()],
+        info = {**state.args, "internal_states": [engine.load_state()],
                 "version": "megarl-embedded"}
+        if engine.max_total_tokens is not None:  # SGLang's scheduler reports its pool size
+            info["max_total_num_tokens"] = engine.max_total_tokens
+        return info
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> JSONResponse:
@@ -409,6 +414,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rows (samples) decoded together")
     p.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="padded prompt tokens prefilled in one step")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="fraction of the GPU's memory for weights + KV cache, as in SGLang "
+                        f"(default {DEFAULT_MEM_FRACTION}); the KV cache gets what the weights "
+                        "leave of it. GPU only")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV token slots the cache may hold (overrides --mem-fraction-static; "
+                        "default: from it on a GPU, unlimited on the CPU)")
     p.add_argument("--weight-version", default="default")
     p.add_argument("--random-seed", type=int, default=None)
     p.add_argument("--enable-deterministic-inference", action="store_true",
@@ -433,10 +445,12 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                          context_length=args.context_length,
                          trust_remote_code=args.trust_remote_code)
+    budget = kv_token_budget(args, runner)
     engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
                          max_prefill_tokens=args.max_prefill_tokens,
                          weight_version=args.weight_version, seed=args.random_seed,
-                         deterministic=args.enable_deterministic_inference)
+                         deterministic=args.enable_deterministic_inference,
+                         max_total_tokens=budget)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(
         args.model, trust_remote_code=args.trust_remote_code)
     limits = Limits(runner.vocab_size, runner.context_length, runner.router.num_layers > 0)
@@ -448,6 +462,34 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
                         health_check_timeout_s=args.health_check_timeout)
     engine.start()
     return state
+
+
+def kv_token_budget(args: argparse.Namespace, runner: ModelRunner) -> int | None:
+    """The KV token slots the engine may hold: ``--max-total-tokens``, else on a GPU what
+    ``--mem-fraction-static`` of its memory leaves next to the weights (SGLang's definition:
+    weights + KV pool over the GPU's capacity), else None (no limit on the CPU)."""
+    if args.max_total_tokens is not None:
+        if args.max_total_tokens < 1:
+            raise ValueError(f"--max-total-tokens {args.max_total_tokens}: must be >= 1")
+        return args.max_total_tokens
+    if runner.device.type != "cuda":
+        if args.mem_fraction_static is not None:
+            logger.info("--mem-fraction-static has no effect on the CPU")
+        return None
+    fraction = DEFAULT_MEM_FRACTION if args.mem_fraction_static is None else args.mem_fraction_static
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--mem-fraction-static {fraction}: must be in (0, 1]")
+    total = torch.cuda.mem_get_info(runner.device)[1]
+    weights = runner.weight_bytes()
+    budget = int((total * fraction - weights) // runner.kv_bytes_per_token)
+    if budget < 1:
+        raise ValueError(
+            f"--mem-fraction-static {fraction}: {total * fraction / GB:.1f} GB of the GPU's "
+            f"{total / GB:.1f} GB leave no room for a KV cache next to {weights / GB:.1f} GB of "
+            "weights; raise it (rollout.gpu_memory_utilization) or use more GPUs per engine")
+    logger.info("KV cache: %d token slots (%.1f GB, --mem-fraction-static %.2f)", budget,
+                budget * runner.kv_bytes_per_token / GB, fraction)
+    return budget
 
 
 def _routes_layout(model_path: str, runner: ModelRunner) -> RoutedExpertsLayout | None:

@@ -5,9 +5,10 @@ Qwen3-MoE style sparse blocks) with the model's own submodules (projections, q/k
 embedding, MLP or router + experts, LM head), so weights written into the HF model in place are
 used at once; only the attention and the layer loop are its own:
 
-- the KV cache is one ``[rows, length, kv_heads, head_dim]`` buffer per layer; running row ``i``
-  lives in slot ``i`` with its tokens at positions ``0..len-1``. It grows (by copy) when rows or
-  lengths outgrow it;
+- the KV cache (:class:`~megarl.rollout.local.kv_cache.StaticKVCache`) is one
+  ``[rows, length, kv_heads, head_dim]`` buffer per layer; running row ``i`` lives in slot ``i``
+  with its tokens at positions ``0..len-1``. :meth:`NativeDecoder.reserve` sizes it for the
+  rows' final lengths; it grows (by copy) when rows or lengths outgrow it;
 - prefill runs the new prompts right-padded with causal SDPA (padding is invisible to the real
   tokens) and hands back their K/V as a :class:`PrefillKV`;
 - decode writes each row's new K/V at its own position and attends with FlashAttention's
@@ -28,12 +29,11 @@ from torch import nn
 
 from megarl.kernels import triton_kernels
 from megarl.rollout.local.fused_projections import FusedLayer
+from megarl.rollout.local.kv_cache import StaticKVCache, row_bucket
 from megarl.rollout.local.sampling import FusedSampling
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
-ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
-LENGTH_STEP = 256
 ALL_EXPERTS_ROWS = 8192
 """Decode runs every expert on every row while rows * experts is at most this."""
 
@@ -78,59 +78,6 @@ def native_unsupported_reason(model: nn.Module) -> str | None:
         if hasattr(mlp, "shared_expert"):
             return "shared experts"
     return None
-
-
-class _Cache:
-    """Per-layer K/V buffers ``[rows_cap, len_cap, kv_heads, head_dim]``; the last column is
-    scratch (where padded graph rows write)."""
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
-        self.shape_tail = (kv_heads, head_dim)
-        self.layers, self.dtype, self.device = layers, dtype, device
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
-        self.rows_cap = self.len_cap = 0
-
-    def ensure(self, rows: int, length: int, live_rows: int) -> bool:
-        """Make room for ``rows`` slots of ``length`` tokens (+1 scratch column), keeping the
-        first ``live_rows`` slots; True when the buffers were reallocated."""
-        if rows <= self.rows_cap and length < self.len_cap:
-            return False
-        new_rows = max(rows, self.rows_cap)
-        new_rows = next((b for b in ROW_BUCKETS if b >= new_rows), new_rows)
-        new_len = max(self.len_cap, -(-(length + 1) // LENGTH_STEP) * LENGTH_STEP)
-        if length >= self.len_cap and self.len_cap:
-            new_len = max(new_len, 2 * self.len_cap)
-        shape = (new_rows, new_len, *self.shape_tail)
-        old_k, old_v, old_len = self.keys, self.values, self.len_cap
-        self.keys = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                     for _ in range(self.layers)]
-        self.values = [torch.zeros(shape, dtype=self.dtype, device=self.device)
-                       for _ in range(self.layers)]
-        for new, old in zip(self.keys + self.values, old_k + old_v):
-            new[:live_rows, :old_len] = old[:live_rows]
-        self.rows_cap, self.len_cap = new_rows, new_len
-        return True
-
-    def keep(self, index: list[int]) -> None:
-        """Move slots ``index`` to slots ``0..len(index)-1``."""
-        if index == list(range(len(index))):
-            return
-        idx = torch.tensor(index, dtype=torch.long, device=self.device)
-        for t in self.keys + self.values:
-            t[: len(index)] = t.index_select(0, idx)
-
-    def write(self, start: int, kv: PrefillKV) -> None:
-        """Put the prefill rows into slots ``start..start+rows-1``."""
-        width = kv.keys[0].shape[1]
-        for dst, src in zip(self.keys + self.values, kv.keys + kv.values):
-            dst[start : start + kv.rows, :width] = src
-
-    def free(self) -> None:
-        """Drop the buffers."""
-        self.keys, self.values = [], []
-        self.rows_cap = self.len_cap = 0
 
 
 def _cuda_module(name: str):
@@ -191,7 +138,7 @@ class NativeDecoder:
         weight = inner.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.moe = any(hasattr(layer.mlp, "experts") for layer in self.layers)
-        self.cache = _Cache(len(self.layers), self.kv_heads, self.head_dim, self.dtype,
+        self.cache = StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype,
                             self.device)
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
@@ -255,9 +202,18 @@ class NativeDecoder:
 
     def _ensure(self, rows: int, length: int, live: int) -> None:
         if self.use_graphs:
-            rows = _bucket(rows)
+            rows = row_bucket(rows)
         if self.cache.ensure(rows, length, live):
             self._graphs.clear()
+
+    def reserve(self, rows: int, length: int) -> None:
+        """Size the cache for ``rows`` running rows of up to ``length`` tokens each."""
+        self._ensure(rows, length + 1, self.rows)
+
+    def peak_kv_tokens(self, rows: int, length: int) -> int:
+        """Token slots allocated at the peak of :meth:`reserve` ``(rows, length)``."""
+        return self.cache.peak_tokens(row_bucket(rows) if self.use_graphs else rows,
+                                      length + 1, self.rows)
 
     # ----- forward pieces -----
     def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -535,7 +491,7 @@ class NativeDecoder:
     def _bucket_graph(self) -> _Graph | None:
         """The graph for the running rows' bucket, captured on first use (None if capture
         fails: decoding then stays eager)."""
-        bucket = _bucket(self.rows)
+        bucket = row_bucket(self.rows)
         graph = self._graphs.get(bucket)
         if graph is None:
             try:
@@ -548,7 +504,7 @@ class NativeDecoder:
 
     def _replay(self, ids: torch.Tensor, sampling: FusedSampling | None):
         rows = self.rows
-        graph = self._graphs[_bucket(rows)]
+        graph = self._graphs[row_bucket(rows)]
         staged = graph.staged
         staged[0, :rows] = ids
         staged[0, rows:] = 0
@@ -593,8 +549,3 @@ class NativeDecoder:
         staged = torch.empty(2, bucket, dtype=torch.long, pin_memory=True)
         return _Graph(graph, tokens, positions, logits, routes, temperatures, seeds, picks,
                       inputs, staged)
-
-
-def _bucket(rows: int) -> int:
-    """The captured row count that serves ``rows`` running rows."""
-    return next((b for b in ROW_BUCKETS if b >= rows), rows)
