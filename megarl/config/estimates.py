@@ -28,7 +28,12 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   counted as none (core_attn drops the s^2 attention scores, which flash attention never
   stores; the mlp/moe modules would lower the figure, which is then an upper bound).
   With 1F1B, stage i holds min(pp - i, micro-batches) micro-batches in flight, x (1 + (pp - 1) /
-  (pp x vpp)) when interleaved. Logits on the last stage: tokens x padded vocab / t x
+  (pp x vpp)) when interleaved. Log-probs on the last stage come straight from the hidden
+  states, a chunk of rows at a time (:data:`LOG_PROB_CHUNK_ELEMENTS` fp32 logits,
+  ``megarl.megatron.output_log_probs``): a chunk's logits in bytes(model.dtype) + its fp32 copy
+  and softmax, the output weight's gradient in fp32 + bytes(model.dtype) (padded vocab / t x h),
+  and the gathered hidden states with their gradient (tokens x h x 2 bytes(model.dtype)). CUDA-
+  graphed updates (``actor.cuda_graphs``) keep whole logits: tokens x padded vocab / t x
   (bytes(model.dtype) + 4 for the fp32 softmax the log-prob backward keeps).
 * Roles idle on the same GPUs (reference: weights; critic: state, counted with the actor's
   architecture) keep what they do not offload. ``offload.*`` moves weights, grads or optimizer
@@ -296,6 +301,23 @@ def idle_roles_bytes(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, voca
     return total
 
 
+LOG_PROB_CHUNK_ELEMENTS = 1 << 26
+"""fp32 logits per chunk of rows on the log-prob path (megarl.megatron.vocab_parallel's
+CHUNK_ELEMENTS; a test holds them equal)."""
+
+
+def log_prob_bytes(cfg: RunConfig, model: ModelInfo, tokens: int, vocab: int,
+                   nbytes: int) -> float:
+    """The last stage's log-prob memory for a micro-batch of ``tokens`` (module docstring)."""
+    local_vocab = vocab / cfg.actor.parallel.tp
+    if cfg.actor.cuda_graphs:  # the graphs hold the whole micro-batch's logits
+        return tokens * local_vocab * (nbytes + FP32_BYTES)
+    chunk = min(tokens * local_vocab, LOG_PROB_CHUNK_ELEMENTS)
+    weight_grad = local_vocab * model.hidden_size * (FP32_BYTES + nbytes)
+    hidden = 2 * tokens * model.hidden_size * nbytes
+    return chunk * (nbytes + 2 * FP32_BYTES) + weight_grad + hidden
+
+
 def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: int,
                   other_roles: int) -> UpdateMemory:
     """The actor GPU of the pipeline stage with the highest peak during the update."""
@@ -307,7 +329,8 @@ def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: 
                             cfg.actor.use_distributed_optimizer)
         flight = micro_batches_in_flight(p, stage, sizes.micro_batches_per_mini_batch)
         per_token = stage_activation_bytes(model, p, cfg.actor.recompute, stage, nbytes)
-        logits = tokens * vocab / p.tp * (nbytes + FP32_BYTES) if stage == p.pp - 1 else 0
+        logits = (log_prob_bytes(cfg, model, tokens, vocab, nbytes)
+                  if stage == p.pp - 1 else 0)
         candidates.append(UpdateMemory(
             stage=stage, pp=p.pp, state=state, activations=math.ceil(per_token * tokens * flight),
             logits=math.ceil(logits), other_roles=other_roles, tokens_per_micro_batch=tokens,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -24,6 +25,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megarl.megatron import cpu_compat
 from megarl.megatron.context_parallel import gather_context_parallel
 from megarl.megatron.model import ActorModel
+from megarl.megatron.output_log_probs import hidden_output, output_log_probs
 from megarl.megatron.packing import (
     PackedBatch,
     pack_sequences,
@@ -125,15 +127,28 @@ def packed_seq_params(batch: PackedBatch) -> PackedSeqParams:
     )
 
 
-def gpt_forward(chunk: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """One model chunk on a packed batch: hidden states, or ``[1, T, V_local]`` logits on the
-    last stage."""
-    return chunk(
-        batch.input_ids,
-        batch.position_ids,
-        None,
-        packed_seq_params=packed_seq_params(batch),
-    )
+def gpt_forward(chunk: torch.nn.Module, batch: PackedBatch, *, hidden: bool = False
+                ) -> torch.Tensor:
+    """One model chunk on a packed batch: hidden states, or on the last stage ``[1, T, V_local]``
+    logits (with ``hidden``: the output layer's input, for :func:`token_log_probs`)."""
+    with hidden_output(chunk) if hidden else nullcontext():
+        return chunk(
+            batch.input_ids,
+            batch.position_ids,
+            None,
+            packed_seq_params=packed_seq_params(batch),
+        )
+
+
+def token_log_probs(model: ActorModel, output: torch.Tensor, targets: torch.Tensor,
+                    temperature: float, *, hidden: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log_probs ``[T]``, entropy ``[T]``) of the last stage's output: the hidden states of
+    ``gpt_forward(..., hidden=True)`` (the output layer runs a chunk of rows at a time, no
+    ``[T, V_local]`` logits: :mod:`~megarl.megatron.output_log_probs`) or logits."""
+    if hidden:
+        return output_log_probs(model.chunks[-1], output, targets[0],
+                                vocab_size=model.vocab_size, temperature=temperature)
+    return logits_to_log_probs(model, output, targets, temperature)
 
 
 def logits_to_log_probs(
@@ -181,13 +196,14 @@ def _run_forward_only(
 ) -> list[dict[str, torch.Tensor]]:
     """megatron's schedule over the micro-batches; on the last stage, one dict per batch."""
 
-    def loss_func(batch: PackedBatch, logits: torch.Tensor):
-        log_probs, entropy = logits_to_log_probs(model, logits, batch.targets, temperature)
-        return logits.new_zeros(()), {"log_probs": log_probs, "entropy": entropy}
+    def loss_func(batch: PackedBatch, hidden: torch.Tensor):
+        log_probs, entropy = token_log_probs(model, hidden, batch.targets, temperature,
+                                             hidden=True)
+        return hidden.new_zeros(()), {"log_probs": log_probs, "entropy": entropy}
 
     def forward_step(data_iterator, chunk):
         batch = next(data_iterator)
-        return gpt_forward(chunk, batch), partial(loss_func, batch)
+        return gpt_forward(chunk, batch, hidden=True), partial(loss_func, batch)
 
     was_training = [c.training for c in model.chunks]
     for chunk in model.chunks:

@@ -37,7 +37,7 @@ from megarl.algo import (
 from megarl.megatron import cpu_compat
 from megarl.megatron.context_parallel import gather_context_parallel
 from megarl.megatron.cuda_graphs import GraphedChunk
-from megarl.megatron.logprobs import gpt_forward, logits_to_log_probs, make_micro_batches
+from megarl.megatron.logprobs import gpt_forward, make_micro_batches, token_log_probs
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.packing import PackedBatch
 from megarl.megatron.settings import LossSettings
@@ -180,8 +180,9 @@ def train_step(
     dist.all_reduce(counts, group=mpu.get_data_parallel_group())
     scale = len(micro) * mpu.get_data_parallel_world_size()
 
-    def loss_func(mb: _MicroBatch, logits: torch.Tensor):
-        log_probs, entropy = logits_to_log_probs(model, logits, mb.packed.targets, temperature)
+    def loss_func(mb: _MicroBatch, output: torch.Tensor, hidden: bool):
+        log_probs, entropy = token_log_probs(model, output, mb.packed.targets, temperature,
+                                             hidden=hidden)
         # under CP: the whole row on every CP rank, the gradient back to this rank's tokens
         log_probs, entropy = gather_context_parallel(
             torch.stack([log_probs, entropy], dim=1), mb.packed
@@ -191,9 +192,9 @@ def train_step(
 
     def forward_step(data_iterator, chunk):
         mb = next(data_iterator)
-        if graphed is not None and graphed.supports(mb.packed):
-            return graphed(mb.packed), partial(loss_func, mb)
-        return gpt_forward(chunk, mb.packed), partial(loss_func, mb)
+        if graphed is not None and graphed.supports(mb.packed):  # the graphs hold logits
+            return graphed(mb.packed), partial(loss_func, mb, hidden=False)
+        return gpt_forward(chunk, mb.packed, hidden=True), partial(loss_func, mb, hidden=True)
 
     for chunk in model.chunks:
         chunk.train()

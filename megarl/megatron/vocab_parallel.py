@@ -68,21 +68,55 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         grad_logits = torch.zeros_like(logits)
         for start, end in _row_chunks(logits.shape[0], valid_cols) if valid_cols > 0 else []:
             rows = slice(start, end)
-            log_p = (logits[rows, :valid_cols].float() / temperature).sub_(log_z[rows, None])
-            probs = torch.exp(log_p)
-            # -dL/dz = p * (g_lp + g_ent * (log p + H)), then the target column gets + g_lp
-            if grad_entropy is not None:
-                coef = log_p.add_(entropy[rows, None]).mul_(grad_entropy[rows, None])
-                if grad_log_probs is not None:
-                    coef.add_(grad_log_probs[rows, None])
-            else:
-                coef = grad_log_probs[rows, None]
-            grad = probs.mul_(coef).neg_()
-            if grad_log_probs is not None:
-                g = grad_log_probs[rows] * in_shard[rows]
-                grad.scatter_add_(-1, local_index[rows].unsqueeze(-1), g.unsqueeze(-1))
-            grad_logits[rows, :valid_cols] = grad.div_(temperature)
+            grad_logits[rows, :valid_cols] = logits_grad(
+                logits[rows, :valid_cols], rows, log_z, entropy, local_index, in_shard,
+                grad_log_probs, grad_entropy, temperature)
         return grad_logits, None, None, None, None, None
+
+
+def logits_grad(z: torch.Tensor, rows: slice, log_z: torch.Tensor, entropy: torch.Tensor,
+                local_index: torch.Tensor, in_shard: torch.Tensor,
+                grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                temperature: float) -> torch.Tensor:
+    """fp32 gradient of the loss with respect to the chunk ``z`` (rows ``rows`` of the local,
+    valid logit columns) from the gradients of its log-probs and entropies."""
+    log_p = (z.float() / temperature).sub_(log_z[rows, None])
+    probs = torch.exp(log_p)
+    # -dL/dz = p * (g_lp + g_ent * (log p + H)), then the target column gets + g_lp
+    if grad_entropy is not None:
+        coef = log_p.add_(entropy[rows, None]).mul_(grad_entropy[rows, None])
+        if grad_log_probs is not None:
+            coef.add_(grad_log_probs[rows, None])
+    else:
+        coef = grad_log_probs[rows, None]
+    grad = probs.mul_(coef).neg_()
+    if grad_log_probs is not None:
+        g = grad_log_probs[rows] * in_shard[rows]
+        grad.scatter_add_(-1, local_index[rows].unsqueeze(-1), g.unsqueeze(-1))
+    return grad.div_(temperature)
+
+
+def chunk_log_probs(z: torch.Tensor, local_index: torch.Tensor, in_shard: torch.Tensor,
+                    temperature: float, group) -> tuple[torch.Tensor, ...]:
+    """(log_probs, entropy, log_z) ``[rows]`` of one chunk of rows of the local, valid logit
+    columns ``z`` (two all-reduces over ``group``: the max, then the three sums)."""
+    rows = z.shape[0]
+    if z.shape[1] > 0:
+        z_max = z.amax(dim=-1).float() / temperature
+    else:
+        z_max = z.new_full((rows,), float("-inf"), dtype=torch.float32)
+    _all_reduce(z_max, dist.ReduceOp.MAX, group)
+    sums = torch.zeros(3, rows, dtype=torch.float32, device=z.device)
+    if z.shape[1] > 0:
+        zf = z.float() / temperature
+        shifted_exp = torch.exp(zf - z_max[:, None])
+        sums[0] = shifted_exp.sum(dim=-1)
+        sums[2] = (shifted_exp * zf).sum(dim=-1)
+        sums[1] = z.gather(-1, local_index.unsqueeze(-1)).squeeze(-1).float() / temperature
+        sums[1] *= in_shard
+    _all_reduce(sums, dist.ReduceOp.SUM, group)
+    log_z = z_max + torch.log(sums[0])
+    return sums[1] - log_z, log_z - sums[2] / sums[0], log_z
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group) -> None:

@@ -111,7 +111,7 @@ def _moe_card(root):
 def test_the_device_preflight_passes_the_defaults_and_refuses_what_cannot_fit(tmp_path, knobs,
                                                                                refused):
     """On a free H200 (139.8 GB of 141): the MoE shape at the benchmark's defaults fits every
-    phase; with recompute off and 32-sequence micro-batches its update (~228 GB) is refused
+    phase; with recompute off and 32-sequence micro-batches its update (~161 GB) is refused
     before any worker starts, with a line naming the phase and the knobs."""
     from megarl.config import load_config
     from megarl.config.model_info import load_model_info

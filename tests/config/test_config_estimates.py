@@ -130,7 +130,11 @@ def test_tiny_activations_and_logits_by_hand(tiny_moe_dir):
     moe = (2 * 64 + 2 * 4) + 2 * (64 + 3 * 32)  # norm in/out + fp32 router; top-2 experts
     assert est.update.tokens_per_micro_batch == tokens
     assert est.update.activations == 2 * (attention + moe) * 4 * tokens
-    assert est.update.logits == tokens * 128 * (4 + 4)
+    # log-probs from the hidden states: one chunk of logits (tokens x 128 fp32: bytes 4 + 2 x 4),
+    # the output weight's gradient (128 x 64, fp32 + fp32) and hidden states + gradient
+    assert est.update.logits == tokens * 128 * (4 + 8) + 128 * 64 * (4 + 4) + 2 * tokens * 64 * 4
+    graphed, _ = tiny_estimate(tiny_moe_dir, "actor.cuda_graphs=true")
+    assert graphed.update.logits == tokens * 128 * (4 + 4)  # the graphs keep whole logits
     full, _ = tiny_estimate(tiny_moe_dir, "actor.recompute.granularity=full")
     # two 1-layer units keep their inputs (h each); one unit is recomputed at a time
     assert full.update.activations == (2 * 64 + attention + moe) * 4 * tokens
@@ -180,7 +184,9 @@ def test_pipeline_split_of_a_real_layout():
     dense = 47 * (attn + 4096 * 128) + 152064 * 4096  # attention + router, one vocab matrix
     assert u.state.dense_params == math.ceil(dense / 4)
     assert u.state.expert_params == 47 * 128 * 3 * 4096 * 1536 // 16
-    assert u.logits > 0 and u.stage == 1  # the last stage (logits) is the fuller one here
+    # the first stage is the fuller one: 1F1B keeps 2 micro-batches in flight there, and the
+    # last stage's log-probs hold a chunk of logits, not the whole micro-batch's
+    assert u.stage == 0 and u.micro_batches_in_flight == 2 and u.logits == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,7 +213,7 @@ def test_state_heavy_layout_points_at_parallelism(monkeypatch):
     monkeypatch.chdir(REPO)
     cfg, _ = load_config("configs/qwen3-30b-a3b.yaml", ["resources.gpu_memory_gb=40"])
     update, sync = memory_warnings(cfg)
-    assert "needs ~48.4 GB in the update" in update.message and "has 40.0 GB" in update.message
+    assert "needs ~46.1 GB in the update" in update.message and "has 40.0 GB" in update.message
     assert "actor.parallel.ep" in update.fields and "add GPUs" in update.fix
     assert "weight sync needs ~44.7 GB" in sync.message
     assert "checkpoint_engine.bucket_size_mb" in sync.fields
@@ -261,3 +267,10 @@ def test_loaded_dict_configs_estimate_too():
     model = model_info_from_dict(QWEN3_30B_A3B)
     est = estimate(cfg, model, derive_sizes(cfg, model))
     assert est.params.total == model.param_count() and est.engine is not None
+
+
+def test_the_log_prob_chunk_is_the_code_s():
+    from megarl.config.estimates import LOG_PROB_CHUNK_ELEMENTS
+    from megarl.megatron.vocab_parallel import CHUNK_ELEMENTS
+
+    assert LOG_PROB_CHUNK_ELEMENTS == CHUNK_ELEMENTS
