@@ -13,5 +13,8 @@ python3 benchmarks/actor_throughput.py --out "$out/actor.json" 2>&1 \
 python3 benchmarks/rollout_throughput.py --device cuda --no-http --out "$out/rollout.json" 2>&1 \
   | grep -E "tokens/s|floor"
 python3 benchmarks/profile_decode.py --shape moe --out "$out" 2>&1 | grep -E '^ *"|^[{}]'
-python3 -m pytest -q -p no:cacheprovider --timeout 300 tests/gpu tests/megatron/test_parity_gpu.py \
-  tests/megatron/test_update_gpu.py 2>&1 | tee "$out/gpu_tests.log" | tail -25
+# the GPU tests in their two parts (benchmarks/h200/call_gpu_tests.sh runs one per call)
+python3 -m pytest -q -p no:cacheprovider --timeout 300 -m "gpu and not e2e" tests 2>&1 \
+  | tee "$out/gpu_tests_kernels.log" | tail -25
+python3 -m pytest -q -p no:cacheprovider --timeout 300 -m "gpu and e2e" tests 2>&1 \
+  | tee "$out/gpu_tests_e2e.log" | tail -25

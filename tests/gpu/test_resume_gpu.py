@@ -22,6 +22,8 @@ from megarl.demo import DEMOS, prepare_demo_assets
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "trainer"))
 from trainer_runs import assert_same_metrics, run_metrics, train
 
+pytestmark = pytest.mark.e2e  # the second GPU command: pytest -m "gpu and e2e"
+
 SMALL_MOE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256}

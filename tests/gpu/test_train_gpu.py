@@ -19,6 +19,8 @@ from megarl.config import load_config
 from megarl.demo import DEMOS, prepare_demo_assets
 from megarl.trainer import Trainer
 
+pytestmark = pytest.mark.e2e  # the second GPU command: pytest -m "gpu and e2e"
+
 SMALL_MOE = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
              "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 512,
              "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 256}
