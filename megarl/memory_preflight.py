@@ -84,8 +84,9 @@ def parse_nvidia_smi(text: str, visible: str | None) -> FreeMemory | None:
     return {f"GPU {i}": (free, total) for i, (_, _, free, total) in enumerate(chosen)}
 
 
-def _read_with_nvidia_smi(timeout_s: float) -> FreeMemory | None:
-    """The visible GPUs' memory as NVML reports it; None without a usable ``nvidia-smi``."""
+def _read_with_nvidia_smi(timeout_s: float, every_gpu: bool = False) -> FreeMemory | None:
+    """The visible GPUs' memory as NVML reports it (``every_gpu``: all of the node's, whatever
+    ``CUDA_VISIBLE_DEVICES`` says); None without a usable ``nvidia-smi``."""
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return None
@@ -95,7 +96,13 @@ def _read_with_nvidia_smi(timeout_s: float) -> FreeMemory | None:
                               check=True).stdout
     except (OSError, subprocess.SubprocessError):
         return None
-    return parse_nvidia_smi(text, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    return parse_nvidia_smi(text, None if every_gpu else os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def read_node_free_memory(timeout_s: float = 60.0) -> FreeMemory:
+    """(free, total) bytes of every GPU ``nvidia-smi`` lists on this node; {} without it (a
+    node with no GPU). What the per-node check of a Ray cluster runs on each node."""
+    return _read_with_nvidia_smi(timeout_s, every_gpu=True) or {}
 
 
 def read_free_memory(timeout_s: float = 120.0) -> FreeMemory:

@@ -1,21 +1,28 @@
-"""Checks that every node of the Ray cluster can read a run's input files (PITFALLS S3).
+"""Checks on every node of the Ray cluster before any worker is built.
 
-Data files and model directories that exist on the head node only make a run fail late, as a
-worker traceback on another node. :func:`check_paths_on_nodes` runs one small task pinned to each
-alive node (``NodeAffinitySchedulingStrategy``) before any worker is built; every path a node
-cannot read comes back as one line naming the node, the config field, the path and the fix.
+- Inputs (PITFALLS S3): data files and model directories that exist on the head node only make
+  a run fail late, as a worker traceback on another node. :func:`check_paths_on_nodes` runs one
+  small task pinned to each alive node (``NodeAffinitySchedulingStrategy``); every path a node
+  cannot read comes back as one line naming the node, the config field, the path and the fix.
+- GPU memory (PITFALLS T1): the driver's preflight sees only the driver's GPUs (none on a CPU
+  head node). :func:`gpu_memory_on_nodes` reads every node's GPUs the same way, labelled by
+  node, for :func:`megarl.memory_preflight.device_preflight` to hold each phase against.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from megarl.cluster.errors import ClusterError
 from megarl.config.model_info import WEIGHT_PATTERNS
+
+if TYPE_CHECKING:
+    from megarl.memory_preflight import FreeMemory
 
 _FIX = ("fix: copy it to the same path on every node, or put it on a file system that every "
         "node mounts")
@@ -23,6 +30,10 @@ _FIX = ("fix: copy it to the same path on every node, or put it on a file system
 
 class NodePathError(ClusterError):
     """One or more nodes cannot read an input file or directory the run needs."""
+
+
+class NodeMemoryError(ClusterError):
+    """A phase's memory estimate exceeds the free memory of a GPU on some node."""
 
 
 @dataclass(frozen=True)
@@ -84,13 +95,8 @@ def check_paths_on_nodes(checks: Sequence[PathCheck], timeout_s: float = 60.0) -
     """Run :func:`check_paths_here` on every alive Ray node, one pinned task each; raise
     :class:`NodePathError` with one line per (node, path) that fails. Returns the node count."""
     import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    task = ray.remote(num_cpus=0, max_retries=0)(check_paths_here)
-    refs = {n["NodeManagerAddress"]: task.options(scheduling_strategy=(
-        NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))).remote(list(checks))
-        for n in nodes}
+    refs = _pinned_on_each_node(check_paths_here, list(checks))
     lines = []
     for ip, ref in refs.items():
         try:
@@ -104,7 +110,7 @@ def check_paths_on_nodes(checks: Sequence[PathCheck], timeout_s: float = 60.0) -
     if lines:
         raise NodePathError(f"{len(lines)} input path problem(s) found before starting workers:"
                             "\n" + "\n".join(lines))
-    return len(nodes)
+    return len(refs)
 
 
 def run_input_checks(files: Mapping[str, Sequence[str]], model_paths: Mapping[str, str]
@@ -114,3 +120,41 @@ def run_input_checks(files: Mapping[str, Sequence[str]], model_paths: Mapping[st
     checks = [PathCheck(field, os.fspath(p)) for field, paths in files.items() for p in paths]
     checks += [PathCheck(field, path, "model") for field, path in model_paths.items() if path]
     return check_paths_on_nodes(checks)
+
+
+def _pinned_on_each_node(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
+    """``fn(*args)`` as one task pinned to each alive node: node IP -> object ref."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    task = ray.remote(num_cpus=0, max_retries=0)(fn)
+    return {n["NodeManagerAddress"]: task.options(scheduling_strategy=(
+        NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))).remote(*args)
+        for n in ray.nodes() if n.get("Alive")}
+
+
+def _gpu_memory_here(read: Callable[[], FreeMemory]) -> tuple[str, FreeMemory]:
+    return socket.gethostname(), read()
+
+
+def gpu_memory_on_nodes(read: Callable[[], FreeMemory] | None = None, timeout_s: float = 120.0
+                        ) -> tuple[FreeMemory, list[str]]:
+    """Every alive node's GPUs, ``read`` there (default: every GPU ``nvidia-smi`` lists,
+    :func:`~megarl.memory_preflight.read_node_free_memory`), labelled ``node HOST (IP) GPU i``;
+    and one line per node whose reading failed."""
+    import ray
+
+    from megarl.memory_preflight import read_node_free_memory
+
+    refs = _pinned_on_each_node(_gpu_memory_here, read or read_node_free_memory)
+    found: FreeMemory = {}
+    failed = []
+    for ip, ref in refs.items():
+        try:
+            host, gpus = ray.get(ref, timeout=timeout_s)
+        except Exception as err:  # noqa: BLE001 - reported, the check goes on without it
+            failed.append(f"preflight: node {ip}: its GPUs could not be read "
+                          f"({type(err).__name__}: {str(err)[:200]})")
+            continue
+        found.update({f"node {host} ({ip}) {gpu}": reading for gpu, reading in gpus.items()})
+    return found, failed

@@ -90,13 +90,14 @@ def train_main(argv: list[str]) -> int:
         return 2
     if cfg.trainer.worker_group == "naive":
         init_naive(timeout_s=cfg.trainer.phase_timeout_s)
+    from megarl.cluster.preflight import NodeMemoryError, NodePathError
     from megarl.data.dataset import DatasetError
 
     trainer = Trainer(cfg, sources)
     try:
         trainer.setup()
         trainer.fit()
-    except DatasetError as err:  # bad input data: one line, nothing written
+    except (DatasetError, NodePathError, NodeMemoryError) as err:  # before any worker started
         print(f"error: {err}", file=sys.stderr)
         return 2
     except (PhaseOutOfMemory, NonFiniteUpdates) as err:  # one line with the knobs (T1, T5)

@@ -265,6 +265,8 @@ def build_workers(cfg: RunConfig, output_dir: Path) -> Workers:
     started: list[Any] = []  # groups and pools, in the order they were created
     try:
         check_inputs_on_nodes(cfg)
+        for line in check_memory_on_nodes(cfg):
+            print(f"megarl: {line}", flush=True)
         return _build_ray_workers(cfg, output_dir, runtime.started_here, started)
     except BaseException:
         _stop_started(started)
@@ -280,6 +282,33 @@ def check_inputs_on_nodes(cfg: RunConfig) -> int:
     if cfg.trainer.val_every and cfg.data.val_files:
         files["data.val_files"] = cfg.data.val_files
     return run_input_checks(files, {"model.path": cfg.model.path})
+
+
+def check_memory_on_nodes(cfg: RunConfig,
+                          read: Callable[[], dict[str, tuple[int, int]]] | None = None
+                          ) -> list[str]:
+    """The device preflight against every Ray node's GPUs (``read`` on each node; default
+    nvidia-smi): raises NodeMemoryError with one line per phase that does not fit the GPU with
+    the least free memory; otherwise returns the lines to print (none without GPUs)."""
+    from megarl.cluster.preflight import NodeMemoryError, gpu_memory_on_nodes
+    from megarl.config.model_info import ModelInfoError, load_model_info
+    from megarl.memory_preflight import device_preflight
+
+    if not cfg.trainer.preflight or cfg.resources.device == "cpu":
+        return []
+    readings, failed = gpu_memory_on_nodes(read)
+    if not readings:
+        return failed
+    try:
+        model = load_model_info(cfg.model.path)
+    except ModelInfoError:
+        model = None  # device_preflight says it did not run
+    lines, refused = device_preflight(cfg, model, read=lambda: readings)
+    if refused:
+        raise NodeMemoryError(f"{len(lines)} phase(s) do not fit the GPUs' free memory, "
+                              "checked on every node before starting workers:\n"
+                              + "\n".join(lines + failed))
+    return [line.replace("preflight:", "preflight on every node:", 1) for line in lines] + failed
 
 
 def _build_ray_workers(cfg: RunConfig, output_dir: Path, started_ray: bool,

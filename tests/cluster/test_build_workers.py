@@ -100,3 +100,29 @@ def test_failed_start_leaves_no_actor_or_placement_group(ray_runtime, assets, tm
     assert live_placement_groups() == []
     logs = list((tmp_path / "run" / "logs").glob("rollout*"))
     assert logs, "the rollout group was started before the failure"
+
+
+def test_memory_preflight_reads_every_node_and_names_the_gpu(ray_runtime, assets, tmp_path):
+    """The per-node check runs a pinned task on each node (here one) and holds every phase
+    against the GPU with the least free memory, labelled by node. This machine has no GPU: the
+    node-side reading is given (the Ray plumbing, the estimates and the verdict are real)."""
+    from megarl.cluster.preflight import NodeMemoryError
+    from megarl.trainer.workers import check_memory_on_nodes
+
+    cfg = demo_config(assets, tmp_path / "run", "resources.device=cuda")
+    gb = 2**30
+    plenty = lambda: {"GPU 0": (70 * gb, 80 * gb), "GPU 1": (79 * gb, 80 * gb)}  # noqa: E731
+    lines = check_memory_on_nodes(cfg, read=plenty)
+    node_ip = ray.util.get_node_ip_address()
+    assert len(lines) == 1 and lines[0].startswith("preflight on every node: every phase fits")
+    assert f"({node_ip}) GPU 0, 70.0 GB, of 2 GPU(s)" in lines[0]
+    busy = lambda: {"GPU 0": (70 * gb, 80 * gb), "GPU 1": (1 << 20, 80 * gb)}  # noqa: E731
+    with pytest.raises(NodeMemoryError) as err:
+        check_memory_on_nodes(cfg, read=busy)
+    refused = str(err.value).splitlines()[1:]
+    assert refused and all(f"({node_ip}) GPU 1 has 0.0 GB free" in line for line in refused)
+    assert any("phase 'update_actor'" in line and "actor.recompute.granularity" in line
+               for line in refused), refused
+    assert check_memory_on_nodes(cfg, read=dict) == []  # no GPU on any node: nothing to hold
+    off = demo_config(assets, tmp_path / "run", "resources.device=cuda", "trainer.preflight=false")
+    assert check_memory_on_nodes(off, read=busy) == []
