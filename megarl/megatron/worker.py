@@ -30,6 +30,7 @@ from megarl.megatron.checkpoint import (
     start_save,
 )
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
+from megarl.megatron.hf_export import export_hf_weights
 from megarl.megatron.logprobs import compute_log_probs
 from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
 from megarl.megatron.offload import PARTS, StateOffloader
@@ -303,7 +304,7 @@ class ActorWorker(Worker):
         """HF-named tensors of the actor (parameters brought back first if offloaded)."""
         with self._phase("sync_weights"):
             self._move(self.offloader, "reload", ["param"])
-            yield from self.actor.model.bridge.export_weights(self.actor.model.chunks)
+            yield from export_hf_weights(self.actor.model)
 
     def weight_specs(self) -> list[tuple[str, list[int]]]:
         """HF names and shapes of every exported tensor, in export order (collective)."""

@@ -1,8 +1,10 @@
 """The train side of a weight update: HF-named tensors streamed out of a sharded Megatron model.
 
 :class:`MegatronExporter` wraps mbridge's ``export_weights`` on an
-:class:`~megarl.megatron.model.ActorModel` under any TP / PP / VPP / EP / ETP layout. What the
-export does on every rank, for one HF tensor at a time (mbridge 0.15.1):
+:class:`~megarl.megatron.model.ActorModel` under any TP / PP / VPP / EP / ETP layout (on a
+model-parallel group of one rank, :func:`~megarl.megatron.hf_export.export_hf_weights` reads the
+parameters directly: the same tensors without the collectives). What the export does on every
+rank, for one HF tensor at a time (mbridge 0.15.1):
 
 - **PP**: the stage that owns the parameter broadcasts it (name and data) over the pipeline
   group, so every stage holds it for that moment;
@@ -60,10 +62,11 @@ class MegatronExporter:
         """``(hf_name, tensor)`` for every HF tensor (collective: every rank must consume it
         to the end, in step)."""
         from megarl.megatron import cpu_compat
+        from megarl.megatron.hf_export import export_hf_weights
 
         cpu_compat.enable()
         with torch.no_grad():
-            for name, tensor in self.model.bridge.export_weights(self.model.chunks):
+            for name, tensor in export_hf_weights(self.model):
                 yield name, tensor.detach()
 
     def specs(self) -> list[TensorSpec]:

@@ -53,3 +53,20 @@ def test_client_requests_smoke_compares_both_ways(capsys):
     row = json.loads(out.splitlines()[0])
     assert row["batched_s"] > 0 and row["per_sample_s"] > 0
     assert "median per-sample / batched" in out
+
+
+def test_export_benchmark_reports_all_three_paths(tmp_path):
+    out = tmp_path / "export.json"
+    import socket
+
+    with socket.socket() as sock:  # a free port for the benchmark's one-rank group
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "MASTER_PORT": str(port)}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks" / "export_weights.py"), "--experts",
+                    "4", "--layers", "2", "--repeats", "1", "--out", str(out)],
+                   check=True, env=env, cwd=ROOT, capture_output=True, timeout=120)
+    result = json.loads(out.read_text())
+    assert result["hf_tensors"] > 20 and result["bytes"] > 0
+    assert all(result[f"{k}_ms"] > 0 for k in ("direct", "mbridge", "copy"))
