@@ -36,6 +36,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -245,8 +246,11 @@ STEP_PHASES = ("gen", "old_log_prob", "update_actor", "offload_actor", "sync_wei
 
 
 def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
-               prompts: list[list[int]]) -> dict[str, Any]:
-    """Warm-up and timed colocated GRPO steps through the real trainer; per-step metrics."""
+               prompts: list[list[int]],
+               measured: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Warm-up and timed colocated GRPO steps through the real trainer; per-step metrics.
+    ``measured`` gets them as soon as the last step ended, before the teardown (which can be
+    long at these sizes: engines, Ray, pinned host memory)."""
     from megarl.config import load_config
     from megarl.config.schema import SchedulerConfig
     from megarl.demo import DEMOS
@@ -301,6 +305,8 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
                                   for name in STEP_PHASES)
                       + f"; peak {metrics.get('perf/max_memory_allocated_gb', float('nan')):.1f}"
                         " GB)", flush=True)
+            if measured is not None:
+                measured({"walls": walls[args.warmup:], "metrics": history[args.warmup:]})
             scheduler.finish()
         finally:
             scheduler.close()
@@ -551,6 +557,17 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def write_json(args: argparse.Namespace, floors: dict[str, float],
+               results: dict[str, dict[str, Any]]) -> None:
+    """``<out>/e2e_step.json``: the settings, the floors and each shape's results so far."""
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    path = args.out / "e2e_step.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"settings": settings, "floors": floors, "results": results},
+                              indent=2))
+    tmp.replace(path)
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("outputs/bench/e2e_step"))
@@ -606,7 +623,14 @@ def main(argv: list[str] | None = None) -> int:
                             "cuda" if args.device == "cuda" else "cpu")
         rows_path = args.out / shape / "prompts.jsonl"
         prompts = write_prompts(rows_path, args.prompts, *args.prompt_len)
-        megarl = run_megarl(args, shape, model, rows_path, prompts)
+        def measured(partial: dict[str, Any], shape: str = shape, model: Path = model,
+                     prompts: list[list[int]] = prompts) -> None:
+            """The figures so far on disk before the teardown (TRL's side still to come)."""
+            results[shape] = summarize(args, model, prompts, floors, partial,
+                                       {"skipped": "not run yet"})
+            write_json(args, floors, results)
+
+        megarl = run_megarl(args, shape, model, rows_path, prompts, measured)
         if "refused" in megarl:
             results[shape] = {"error": megarl["refused"]}
             print(f"error: {shape}: {megarl['refused']}", file=sys.stderr, flush=True)
@@ -616,9 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({shape: results[shape]}, indent=1), flush=True)
         if "error" in results[shape]:
             print(f"error: {shape}: {results[shape]['error']}", file=sys.stderr, flush=True)
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    (args.out / "e2e_step.json").write_text(json.dumps(
-        {"settings": settings, "floors": floors, "results": results}, indent=2))
+    write_json(args, floors, results)
     title = (f"{args.prompts} prompts x {args.n}, prompts {args.prompt_len[0]}-"
              f"{args.prompt_len[1]} tokens, responses log-normal(median {args.median:.0f}, sigma "
              f"{args.sigma}) <= {args.max_response}, {args.device}")

@@ -13,6 +13,7 @@ from typing import Any
 from megarl.algo import KLController, make_kl_controller
 from megarl.config import RunConfig
 from megarl.config.render import render_config
+from megarl.faults import fail_point
 from megarl.metrics.health import HealthMonitor, HealthThresholds, NonFiniteGuard
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
 from megarl.rollout.agent import AgentLoop, AgentSettings
@@ -91,6 +92,7 @@ class TrainerBase:
             self.rewards.close()
         if getattr(self, "tracker", None) is not None:
             self.tracker.close()
+        fail_point("after_close")  # a teardown that fails once everything is stopped
 
     def on_driver(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the driver. In the no-Ray mode every torchrun rank runs the trainer:

@@ -138,3 +138,22 @@ def test_the_device_preflight_passes_the_defaults_and_refuses_what_cannot_fit(tm
             "actor.recompute.granularity" in lines[0])
     else:
         assert lines[0].startswith("preflight: every phase fits")
+
+
+@pytest.mark.timeout(300)
+def test_the_json_is_written_before_the_teardown(tmp_path):
+    """At the e2e sizes the teardown (engines, Ray, pinned host memory) can outlast a time limit:
+    the figures are on disk as soon as the timed steps end. Here the teardown fails after
+    stopping everything (MEGARL_FAIL_AT=after_close): the run exits non-zero, the JSON holds the
+    shape's figures."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "MEGARL_FAIL_AT": "after_close"}
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_step.py"), "--smoke",
+                           "--shape", "moe", "--trl", "off", "--out", str(tmp_path)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode != 0 and "after_close: injected failure" in proc.stderr, (
+        proc.stdout[-2000:] + proc.stderr[-2000:])
+    r = json.loads((tmp_path / "e2e_step.json").read_text())["results"]["moe"]
+    assert r["step_s"] > 0 and r["gen_s"] > 0 and r["trained_response_length"] > 0
+    assert (tmp_path / "moe" / "megarl" / "steps.jsonl").read_text().count("\n") == 2  # warm-up + 1
