@@ -415,6 +415,20 @@ def trl_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def load_megarl_steps(args: argparse.Namespace, shape: str) -> dict[str, Any]:
+    """megarl's timed steps of an earlier run into the same ``--out`` (its ``steps.jsonl``),
+    for a TRL-only run (``--megarl off``) that merges both into one report."""
+    path = args.out / shape / "megarl" / "steps.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    if len(rows) < args.warmup + args.steps:
+        return {"refused": f"--megarl off needs megarl's {args.warmup + args.steps} steps in "
+                           f"{path} (found {len(rows)}): run the same command with --trl off "
+                           "first"}
+    rows = rows[args.warmup:args.warmup + args.steps]
+    return {"walls": [r.pop("wall_s") for r in rows],
+            "metrics": [{k: v for k, v in r.items() if k != "step"} for r in rows]}
+
+
 def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) -> dict[str, Any]:
     """Runs :func:`trl_worker` in a child process; its per-step seconds, or why it did not run."""
     try:
@@ -429,10 +443,15 @@ def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) 
             "result": str(out / "result.json"), "vllm": args.trl_vllm}
     (out / "spec.json").write_text(json.dumps(spec))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(out / "spec.json")],
-                          env=env, cwd=REPO, check=False)
+    log = out / "trl.log"
+    with log.open("w") as stderr:
+        proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(out / "spec.json")],
+                              env=env, cwd=REPO, check=False, stderr=stderr)
     if proc.returncode != 0:
-        return {"failed": f"TRL exited with {proc.returncode}"}
+        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+        errors = [line for line in lines if "Error" in line or "error:" in line]
+        why = (errors or lines or ["no output"])[-1].strip()[:400]
+        return {"failed": f"TRL exited with {proc.returncode}: {why} (log: {log})"}
     result = json.loads((out / "result.json").read_text())
     return {"walls": result["step_s"][args.warmup:],
             "mean_completion_length": result["mean_completion_length"]}
@@ -590,6 +609,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed steps")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--trl", choices=["on", "off"], default="on")
+    p.add_argument("--megarl", choices=["on", "off"], default="on",
+                   help="off: TRL's side only, reported next to the megarl steps an earlier run "
+                        "with --trl off left in the same --out (the two sides as two commands)")
     p.add_argument("--trl-vllm", action="store_true", help="TRL with vLLM colocated generation")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and lengths (CPU, CI)")
     p.add_argument("--set", nargs="*", default=[], metavar="a.b.c=value",
@@ -623,6 +645,7 @@ def main(argv: list[str] | None = None) -> int:
                             "cuda" if args.device == "cuda" else "cpu")
         rows_path = args.out / shape / "prompts.jsonl"
         prompts = write_prompts(rows_path, args.prompts, *args.prompt_len)
+
         def measured(partial: dict[str, Any], shape: str = shape, model: Path = model,
                      prompts: list[list[int]] = prompts) -> None:
             """The figures so far on disk before the teardown (TRL's side still to come)."""
@@ -630,7 +653,10 @@ def main(argv: list[str] | None = None) -> int:
                                        {"skipped": "not run yet"})
             write_json(args, floors, results)
 
-        megarl = run_megarl(args, shape, model, rows_path, prompts, measured)
+        if args.megarl == "off":  # TRL's side only, next to a megarl run in the same --out
+            megarl = load_megarl_steps(args, shape)
+        else:
+            megarl = run_megarl(args, shape, model, rows_path, prompts, measured)
         if "refused" in megarl:
             results[shape] = {"error": megarl["refused"]}
             print(f"error: {shape}: {megarl['refused']}", file=sys.stderr, flush=True)

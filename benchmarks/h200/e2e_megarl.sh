@@ -9,5 +9,7 @@ rc=$?
 cp /tmp/e2e/e2e_step.json $OUT/e2e_step_$shape.json 2>/dev/null
 cp /tmp/e2e/e2e_step.png $OUT/e2e_step_$shape.png 2>/dev/null
 cp /tmp/e2e/$shape/megarl/metrics.jsonl $OUT/metrics_$shape.jsonl 2>/dev/null
+# megarl's steps, for TRL's side as a later call (call_trl.sh reads benchmarks/h200/steps_SHAPE.jsonl)
+cp /tmp/e2e/$shape/megarl/steps.jsonl $OUT/steps_$shape.jsonl 2>/dev/null
 nvidia-smi --query-gpu=memory.used --format=csv
 exit $rc

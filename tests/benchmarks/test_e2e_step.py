@@ -1,5 +1,6 @@
 """``benchmarks/e2e_step.py``: the forced response lengths, and its ``--smoke`` run (megarl's real
-colocated-step stack and TRL's GRPOTrainer on the same tiny model, prompts and lengths)."""
+colocated-step stack, then TRL's GRPOTrainer as a second command on the same tiny model, prompts
+and lengths)."""
 
 from __future__ import annotations
 
@@ -25,36 +26,6 @@ def test_forced_lengths_are_deterministic_and_long_tailed():
     assert statistics.mean(lengths) > statistics.median(lengths) * 1.15  # long right tail
     # the samples of one group differ: the key includes the sample's index
     assert len({bench.response_length(prompts[0], j, 512.0, 0.8, 2048) for j in range(8)}) > 4
-
-
-@pytest.mark.timeout(600)
-def test_smoke_step_runs_both_systems_on_the_same_forced_lengths(tmp_path):
-    pytest.importorskip("trl")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_step.py"), "--smoke",
-                           "--shape", "moe", "--out", str(tmp_path)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=540,
-                          check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((tmp_path / "e2e_step.json").read_text())
-    r = report["results"]["moe"]
-    bench = load("e2e_step")
-    prompts = [json.loads(line)["input_ids"]
-               for line in (tmp_path / "moe" / "prompts.jsonl").read_text().splitlines()]
-    forced = [bench.response_length(p, j, 6.0, 0.8, 16) for p in prompts for j in range(2)]
-    assert r["response_tokens"] == sum(forced)
-    # megarl trained exactly the forced lengths; TRL generated them plus its EOS
-    assert r["trained_response_length"] == pytest.approx(sum(forced) / len(forced), abs=1e-9)
-    assert r["trl_mean_completion_length"] == pytest.approx(sum(forced) / len(forced) + 1,
-                                                            abs=1e-3)
-    for phase in ("gen_s", "old_log_prob_s", "update_actor_s", "sync_s", "step_s", "trl_step_s"):
-        assert r[phase] > 0, phase
-    assert r["megarl_over_trl"] == pytest.approx(r["trl_step_s"] / r["step_s"])
-    assert 0 < r["gen_floor_fraction"] and 0 < r["update_actor_mfu"] < 1
-    # the CPU smoke runs separate pools: no release/resume, and the report says so
-    assert "timing/release_rollout" in r["phases_not_run"]
-    assert report["floors"]["matmul_flops"] > 0 and report["floors"]["copy_bytes_per_s"] > 0
-    assert (tmp_path / "e2e_step.png").stat().st_size > 10_000
 
 
 def test_the_shapes_hold_the_longest_default_sequence():
@@ -140,12 +111,12 @@ def test_the_device_preflight_passes_the_defaults_and_refuses_what_cannot_fit(tm
         assert lines[0].startswith("preflight: every phase fits")
 
 
-@pytest.mark.timeout(300)
-def test_the_json_is_written_before_the_teardown(tmp_path):
+@pytest.mark.timeout(400)
+def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_command(tmp_path):
     """At the e2e sizes the teardown (engines, Ray, pinned host memory) can outlast a time limit:
     the figures are on disk as soon as the timed steps end. Here the teardown fails after
     stopping everything (MEGARL_FAIL_AT=after_close): the run exits non-zero, the JSON holds the
-    shape's figures."""
+    shape's figures. Then TRL's side runs alone (--megarl off) and the report holds both."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "MEGARL_FAIL_AT": "after_close"}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_step.py"), "--smoke",
@@ -157,3 +128,30 @@ def test_the_json_is_written_before_the_teardown(tmp_path):
     r = json.loads((tmp_path / "e2e_step.json").read_text())["results"]["moe"]
     assert r["step_s"] > 0 and r["gen_s"] > 0 and r["trained_response_length"] > 0
     assert (tmp_path / "moe" / "megarl" / "steps.jsonl").read_text().count("\n") == 2  # warm-up + 1
+    pytest.importorskip("trl")
+    env.pop("MEGARL_FAIL_AT")
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_step.py"), "--smoke",
+                           "--shape", "moe", "--megarl", "off", "--out", str(tmp_path)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "e2e_step.json").read_text())
+    both = report["results"]["moe"]
+    assert both["step_s"] == r["step_s"] and both["gen_s"] == r["gen_s"]  # megarl's, as measured
+    bench = load("e2e_step")
+    prompts = [json.loads(line)["input_ids"]
+               for line in (tmp_path / "moe" / "prompts.jsonl").read_text().splitlines()]
+    forced = [bench.response_length(p, j, 6.0, 0.8, 16) for p in prompts for j in range(2)]
+    assert both["response_tokens"] == sum(forced)
+    # megarl trained exactly the forced lengths; TRL generated them plus its EOS
+    assert both["trained_response_length"] == pytest.approx(sum(forced) / len(forced), abs=1e-9)
+    assert both["trl_mean_completion_length"] == pytest.approx(sum(forced) / len(forced) + 1,
+                                                               abs=1e-3)
+    for phase in ("gen_s", "old_log_prob_s", "update_actor_s", "sync_s", "step_s", "trl_step_s"):
+        assert both[phase] > 0, phase
+    assert both["megarl_over_trl"] == pytest.approx(both["trl_step_s"] / both["step_s"])
+    assert 0 < both["gen_floor_fraction"] and 0 < both["update_actor_mfu"] < 1
+    # the CPU smoke runs separate pools: no release/resume, and the report says so
+    assert "timing/release_rollout" in both["phases_not_run"]
+    assert report["floors"]["matmul_flops"] > 0 and report["floors"]["copy_bytes_per_s"] > 0
+    assert (tmp_path / "e2e_step.png").stat().st_size > 10_000
