@@ -48,6 +48,53 @@ class OptimizerSettings:
             )
 
 
+LORA_TARGETS = (
+    "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
+    "shared_experts.linear_fc1", "shared_experts.linear_fc2",
+    "experts.linear_fc1", "experts.linear_fc2",
+)
+"""What ``LoraSettings.target_modules`` may name: the attention's fused q/k/v and output
+projections, the dense MLP's fc1 (gate and up) and fc2, the MoE layers' shared expert and their
+routed experts (megatron's module names; the routed experts are not built yet)."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters on the actor's linear layers (field names follow ``actor.lora``)."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = no adapters (full fine-tuning)."""
+    alpha: float = 16.0
+    """The adapter's output is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training."""
+    target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    """Which linear layers get adapters (:data:`LORA_TARGETS`)."""
+    exclude_modules: tuple[str, ...] = ()
+    """fnmatch patterns over ``layers.{i}.{path}`` (global layer index ``i``, e.g.
+    ``layers.0.self_attention.linear_qkv``, ``layers.1.*``) of targeted layers left without."""
+    seed: int = 1234
+    """Seed of the adapters' initial A matrices (the same on every layout)."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"LoRA target_modules {unknown} unknown; choose from "
+                             f"{', '.join(LORA_TARGETS)}")
+        if self.rank < 0 or (self.rank and not self.target_modules):
+            raise ValueError("LoRA needs rank >= 0 and, with rank > 0, target_modules")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are trained instead of the full weights."""
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor on ``B @ A``."""
+        return self.alpha / self.rank
+
+
 @dataclass(frozen=True)
 class LossSettings:
     """The actor's loss (field names follow ``actor.*`` in the config)."""

@@ -1,0 +1,234 @@
+"""LoRA on the actor: one update against the same update of HF ``peft`` on the HF model.
+
+Both sides start from the same adapters (PEFT-named tensors with B away from zero: at PEFT's
+B = 0 the A matrices get no gradient and half of the update would go untested), take one PPO
+step on the same batch (test_update's loss) and must agree on the adapters after the step, the
+log-probs of the stepped model, the loss terms and the gradient norm; the merged export must
+equal ``merge_and_unload()``. Tensor parallelism (with and without sequence parallelism) and the
+distributed optimizer must give the same step as one rank.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_update import (
+    ADAM_EPS,
+    ADAM_LR,
+    CLIP_C,
+    CLIP_HIGH,
+    CLIP_LOW,
+    ENTROPY_COEFF,
+    KL_COEF,
+    adam_first_step_bound,
+    hf_log_probs,
+    make_batch,
+    reference_loss_terms,
+)
+
+from megarl.megatron.parallel import ParallelSizes
+
+RANK, ALPHA = 4, 8.0
+MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+HF_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+SGD_LR = 0.5
+ATOL = 2e-5  # fp32: the same sums in other orders (TP shards, packed micro-batches)
+
+
+def peft_model(model_dir: str, state: dict[str, torch.Tensor] | None = None):
+    """The HF model (fp32) with PEFT LoRA adapters on every linear layer of its blocks."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS)
+    model = get_peft_model(hf, config)
+    if state is not None:
+        result = set_peft_model_state_dict(model, state)
+        assert not result.unexpected_keys, result.unexpected_keys
+    return model
+
+
+def initial_adapters(model_dir: str) -> dict[str, torch.Tensor]:
+    """PEFT-named adapters, A and B random (seeded)."""
+    from peft import get_peft_model_state_dict
+
+    g = torch.Generator().manual_seed(7)
+    shapes = get_peft_model_state_dict(peft_model(model_dir))
+    return {name: 0.1 * torch.randn(t.shape, generator=g) for name, t in shapes.items()}
+
+
+def peft_reference_step(model_dir: str, batch: list[dict], state: dict, optimizer: str) -> dict:
+    """One step of the PEFT model: adapters after it, log-probs of the stepped model, loss
+    terms, gradient norm and the merged HF weights (``merge_and_unload``)."""
+    from peft import get_peft_model_state_dict
+
+    model = peft_model(model_dir, state)
+    pg, ent, kl = reference_loss_terms(model, batch)
+    (pg - ENTROPY_COEFF * ent + KL_COEF * kl).backward()
+    named = {n.replace(".default", ""): p for n, p in model.named_parameters() if p.requires_grad}
+    assert set(named) == set(state)  # only the adapters train
+    params = list(named.values())
+    grad_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in params)).item()
+    grads = {n: p.grad.detach().clone() for n, p in named.items()}
+    if optimizer == "sgd":
+        torch.optim.SGD(params, lr=SGD_LR).step()
+    else:
+        torch.optim.AdamW(params, lr=ADAM_LR, eps=ADAM_EPS, weight_decay=0.0).step()
+    with torch.no_grad():
+        log_probs = [hf_log_probs(model, s["tokens"]) for s in batch]
+    adapters = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+    merged = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
+    return {"adapters": adapters, "log_probs": log_probs, "pg_loss": pg.item(),
+            "entropy": ent.item(), "kl_loss": kl.item(), "grad_norm": grad_norm,
+            "merged": merged, "grads": grads}
+
+
+def lora_update_on_rank(model_dir, sizes, batch, state, optimizer="sgd", budget=None,
+                        dp_split=False, dtype=torch.float32):
+    """Run on each rank: LoRA adapters set to ``state``, one train_step; returns the metrics,
+    the adapters after the step (PEFT names, whole), the stepped model's log-probs, the merged
+    export (rank 0) and what megatron's DDP and optimizer hold."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megarl.megatron.logprobs import compute_log_probs
+    from megarl.megatron.lora import (
+        adapters,
+        apply_lora,
+        export_merged_weights,
+        load_peft_state_dict,
+        peft_state_dict,
+    )
+    from megarl.megatron.model import build_actor_model
+    from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
+    from megarl.megatron.settings import LoraSettings
+    from megarl.megatron.update import LossSettings, TrainSequence, train_step
+
+    model = build_actor_model(model_dir, sizes, dtype, spec="native")
+    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=MEGATRON_TARGETS))
+    load_peft_state_dict(model, state)
+    actor = TrainableActor(model, OptimizerSettings(
+        lr=SGD_LR if optimizer == "sgd" else ADAM_LR, weight_decay=0.0, grad_clip=0.0,
+        optimizer=optimizer, use_distributed_optimizer=optimizer == "adam"))
+    lora_params = {id(p) for a in adapters(model).values() for p in a.parameters()}
+    base = [p for c in model.chunks for p in c.parameters() if id(p) not in lora_params]
+    held = {
+        "trainable": sum(p.requires_grad for c in model.chunks for p in c.parameters()),
+        "adapter_params": len(lora_params),
+        "base_with_grad_buffer": sum(hasattr(p, "main_grad") or p.requires_grad for p in base),
+        "optimized": sum(len(g["params"]) for g in actor.optimizer.param_groups),
+        "master_dtypes": sorted({str(p.dtype) for g in actor.optimizer.param_groups
+                                 for p in g["params"]}),
+    }
+    if dp_split:
+        batch = batch[mpu.get_data_parallel_rank() :: mpu.get_data_parallel_world_size()]
+    settings = LossSettings(clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH,
+                            clip_ratio_c=CLIP_C, entropy_coeff=ENTROPY_COEFF, use_kl_loss=True,
+                            kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl")
+    metrics = train_step(actor, [TrainSequence(**s) for s in batch], settings,
+                         max_tokens_per_micro_batch=budget)
+    after = peft_state_dict(model)
+    log_probs = compute_log_probs(model, [s["tokens"] for s in batch]).log_probs
+    merged = {name: t.detach().clone() for name, t in export_merged_weights(model)}
+    first = dist.get_rank() == 0
+    return metrics, held, after if first else None, log_probs, merged if first else None
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_models) -> list[dict]:
+    return make_batch(tiny_models["qwen3"])
+
+
+@pytest.fixture(scope="module")
+def start(tiny_models) -> dict[str, torch.Tensor]:
+    return initial_adapters(tiny_models["qwen3"])
+
+
+@pytest.fixture(scope="module")
+def sgd_reference(tiny_models, batch, start) -> dict:
+    return peft_reference_step(tiny_models["qwen3"], batch, start, "sgd")
+
+
+def assert_same_lora_update(results, reference, start, atol=ATOL) -> None:
+    """Rank 0's adapters and merged weights and every rank's log-probs and metrics equal the
+    PEFT step's; only the adapters train."""
+    metrics, held, after, _, merged = results[0]
+    assert held["trainable"] == held["adapter_params"] > 0
+    assert held["base_with_grad_buffer"] == 0
+    assert set(after) == set(reference["adapters"]) == set(start)
+    for name, ref in reference["adapters"].items():
+        if atol == "adam":  # a gradient near its own rounding makes a +-lr step (test_update)
+            excess = (after[name] - ref).abs() - adam_first_step_bound(reference["grads"][name])
+            assert excess.max() <= 0, name
+        else:
+            torch.testing.assert_close(after[name], ref, atol=atol, rtol=0, msg=name)
+    if atol == "adam":
+        return
+    for name, ref in reference["merged"].items():
+        torch.testing.assert_close(merged[name], ref, atol=atol, rtol=0, msg=name)
+    for _, _, _, rank_log_probs, _ in results:
+        for mine, ref in zip(rank_log_probs, reference["log_probs"]):
+            torch.testing.assert_close(mine, ref, atol=1e-4, rtol=0)
+    for key in ("pg_loss", "entropy", "kl_loss", "grad_norm"):
+        assert metrics[f"actor/{key}"] == pytest.approx(reference[key], rel=1e-4, abs=1e-6), key
+    assert metrics["actor/update_skipped"] == 0.0
+
+
+def test_reference_moves_both_adapter_matrices_and_the_log_probs(tiny_models, batch, start,
+                                                                 sgd_reference):
+    """The PEFT step changes every A and B and the log-probs (else equality proves little)."""
+    for name, value in start.items():
+        assert (sgd_reference["adapters"][name] - value).abs().max() > 1e-3, name
+    before = peft_model(tiny_models["qwen3"], start)
+    with torch.no_grad():
+        moved = max((hf_log_probs(before, s["tokens"]) - lp).abs().max().item()
+                    for s, lp in zip(batch, sgd_reference["log_probs"]))
+    assert moved > 1e-2
+
+
+LAYOUTS = [
+    (ParallelSizes(), {}),
+    (ParallelSizes(), {"budget": 16}),
+    (ParallelSizes(tp=2), {"budget": 16}),  # sequence parallel
+    (ParallelSizes(tp=2, sequence_parallel=False), {}),
+]
+
+
+@pytest.mark.parametrize("sizes,kw", LAYOUTS, ids=[f"{s}-{k}" for s, k in LAYOUTS])
+def test_lora_sgd_step_matches_peft(pool1, pool2, tiny_models, batch, start, sgd_reference,
+                                    sizes, kw):
+    pool = pool1 if sizes.tp == 1 else pool2
+    results = pool.run(lora_update_on_rank, tiny_models["qwen3"], sizes, batch, start, **kw)
+    assert_same_lora_update(results, sgd_reference, start)
+
+
+def test_lora_adam_distributed_optimizer_with_data_parallel(pool2, tiny_models, batch, start):
+    """AdamW sharded over DP=2 (megatron's distributed optimizer) on the adapters alone."""
+    reference = peft_reference_step(tiny_models["qwen3"], batch, start, "adam")
+    results = pool2.run(lora_update_on_rank, tiny_models["qwen3"], ParallelSizes(), batch, start,
+                        optimizer="adam", dp_split=True)
+    assert_same_lora_update(results, reference, start, atol="adam")
+    for metrics, *_ in results:
+        assert metrics["actor/grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+
+
+def test_lora_bf16_base_stays_frozen_with_fp32_master_adapters(pool2, tiny_models, batch, start):
+    """In bf16 the base weights keep their dtype and values; the optimizer steps fp32 master
+    copies of the adapters only (TP=2, distributed AdamW)."""
+    from safetensors.torch import load_file
+
+    results = pool2.run(lora_update_on_rank, tiny_models["qwen3"], ParallelSizes(tp=2), batch,
+                        start, optimizer="adam", dtype=torch.bfloat16, budget=16)
+    metrics, held, after, _, merged = results[0]
+    assert metrics["actor/update_skipped"] == 0.0
+    assert held["trainable"] == held["adapter_params"] == held["optimized"] > 0
+    assert held["base_with_grad_buffer"] == 0
+    assert held["master_dtypes"] == ["torch.float32"]
+    moved = [n for n in start if (after[n].float() - start[n].to(torch.bfloat16).float()).abs()
+             .max() > 5e-4]
+    assert len(moved) == len(start)
+    original = load_file(f"{tiny_models['qwen3']}/model.safetensors")
+    norm = "model.layers.0.input_layernorm.weight"  # no adapter: exported as loaded
+    assert merged[norm].dtype == torch.bfloat16
+    assert torch.equal(merged[norm], original[norm].to(torch.bfloat16))
