@@ -31,7 +31,6 @@ the adapters under PEFT's names, whole (gathered over TP).
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import math
 import zlib
 from collections.abc import Iterator
@@ -53,23 +52,19 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 
+from megarl.config.lora_layers import (
+    LAYER_PATHS,
+    is_excluded,
+    resolve_targets,
+    selection_problems,
+)
 from megarl.megatron.model import ActorModel
 from megarl.megatron.native_modules import NormColumnParallelLinear
 from megarl.megatron.native_spec import moe_layer_pattern
 from megarl.megatron.settings import LoraSettings
 
-# A transformer layer's linear layers by their path in the layer -> the target name that selects
-# them (``LoraSettings.target_modules``) and how they are split over TP.
-LAYER_TARGETS: dict[str, tuple[str, str]] = {
-    "self_attention.linear_qkv": ("linear_qkv", "column"),
-    "self_attention.linear_proj": ("linear_proj", "row"),
-    "mlp.linear_fc1": ("linear_fc1", "column"),
-    "mlp.linear_fc2": ("linear_fc2", "row"),
-    "mlp.shared_experts.linear_fc1": ("shared_experts.linear_fc1", "column"),
-    "mlp.shared_experts.linear_fc2": ("shared_experts.linear_fc2", "row"),
-    "mlp.experts.linear_fc1": ("experts.linear_fc1", "column"),
-    "mlp.experts.linear_fc2": ("experts.linear_fc2", "row"),
-}
+# How each target's layers are split over TP.
+ROW_PARALLEL = {"linear_proj", "linear_fc2", "shared_experts.linear_fc2", "experts.linear_fc2"}
 
 TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
@@ -245,41 +240,31 @@ def apply_lora(model: ActorModel, settings: LoraSettings) -> list[str]:
     if model.spec != "native":
         raise ValueError("LoRA is built on megarl's native layer spec; the TransformerEngine "
                          "spec's fused layers have no adapters yet")
-    experts = sorted(t for t in settings.target_modules if t.startswith("experts."))
+    config = model.config
+    moe_layers = moe_layer_pattern(config)
+    shared = bool(config.moe_shared_expert_intermediate_size)
+    targets = resolve_targets(moe_layers, shared, settings.target_modules)
+    experts = sorted(t for t in targets if t.startswith("experts."))
     if experts:
         raise ValueError(f"LoRA on the routed experts ({', '.join(experts)}) is not built; "
                          "drop them from actor.lora.target_modules")
-    _check_exclusions(model.config, settings)
+    problems = selection_problems(moe_layers, shared, targets, settings.exclude_modules)
+    if problems:
+        raise ValueError(f"actor.lora.{problems[0]}")
     for chunk in model.chunks:
         chunk.requires_grad_(False)
     names = []
     for index, layer in _layers(model):
         for path, module in layer.named_modules():
-            if path not in LAYER_TARGETS:
-                continue
-            target, kind = LAYER_TARGETS[path]
+            target = LAYER_PATHS.get(path)
             name = f"layers.{index}.{path}"
-            if target not in settings.target_modules or any(
-                    fnmatch.fnmatchcase(name, p) for p in settings.exclude_modules):
+            if target not in targets or is_excluded(name, settings.exclude_modules):
                 continue
-            module.lora = LoraAdapter(module, name, kind, _parts(target, model.config), settings)
+            kind = "row" if target in ROW_PARALLEL else "column"
+            module.lora = LoraAdapter(module, name, kind, _parts(target, config), settings)
             module.register_forward_hook(_add_adapter_output, with_kwargs=True)
             names.append(name)
     return names
-
-
-def _check_exclusions(config: Any, settings: LoraSettings) -> None:
-    """Every exclude pattern must match a layer some rank adapts (a typo would be ignored)."""
-    paths = {False: ("self_attention.linear_qkv", "self_attention.linear_proj",
-                     "mlp.linear_fc1", "mlp.linear_fc2")}
-    paths[True] = paths[False][:2] + tuple(p for p in LAYER_TARGETS if ".experts." in p
-                                           or ".shared_experts." in p)
-    names = [f"layers.{i}.{p}" for i, moe in enumerate(moe_layer_pattern(config))
-             for p in paths[moe] if LAYER_TARGETS[p][0] in settings.target_modules]
-    for pattern in settings.exclude_modules:
-        if not any(fnmatch.fnmatchcase(n, pattern) for n in names):
-            raise ValueError(f"actor.lora.exclude_modules: {pattern!r} matches no targeted "
-                             f"layer (names look like {names[0]!r}); fix or remove it")
 
 
 def adapters(model: ActorModel) -> dict[str, LoraAdapter]:
@@ -338,7 +323,7 @@ def hf_modules(target: str, model_type: str) -> tuple[str, ...]:
 
 def _peft_keys(model: ActorModel, adapter: LoraAdapter) -> list[str]:
     _, index, path = adapter.name.split(".", 2)
-    target = LAYER_TARGETS[path][0]
+    target = LAYER_PATHS[path]
     return [f"base_model.model.model.layers.{index}.{m}"
             for m in hf_modules(target, model.hf_config.model_type)]
 

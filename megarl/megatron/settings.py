@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from megarl.config.lora_layers import LORA_TARGETS
 from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.parallel import ParallelSizes
 
@@ -48,16 +49,6 @@ class OptimizerSettings:
             )
 
 
-LORA_TARGETS = (
-    "linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
-    "shared_experts.linear_fc1", "shared_experts.linear_fc2",
-    "experts.linear_fc1", "experts.linear_fc2",
-)
-"""What ``LoraSettings.target_modules`` may name: the attention's fused q/k/v and output
-projections, the dense MLP's fc1 (gate and up) and fc2, the MoE layers' shared expert and their
-routed experts (megatron's module names; the routed experts are not built yet)."""
-
-
 @dataclass(frozen=True)
 class LoraSettings:
     """LoRA adapters on the actor's linear layers (field names follow ``actor.lora``)."""
@@ -68,8 +59,9 @@ class LoraSettings:
     """The adapter's output is scaled by ``alpha / rank``."""
     dropout: float = 0.0
     """Dropout on the adapter's input while training."""
-    target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-    """Which linear layers get adapters (:data:`LORA_TARGETS`)."""
+    target_modules: tuple[str, ...] | None = None
+    """Which linear layers get adapters (:data:`LORA_TARGETS`); None = those of
+    :data:`~megarl.config.lora_layers.DEFAULT_TARGETS` the model has."""
     exclude_modules: tuple[str, ...] = ()
     """fnmatch patterns over ``layers.{i}.{path}`` (global layer index ``i``, e.g.
     ``layers.0.self_attention.linear_qkv``, ``layers.1.*``) of targeted layers left without."""
@@ -77,12 +69,12 @@ class LoraSettings:
     """Seed of the adapters' initial A matrices (the same on every layout)."""
 
     def __post_init__(self) -> None:
-        unknown = sorted(set(self.target_modules) - set(LORA_TARGETS))
+        unknown = sorted(set(self.target_modules or ()) - set(LORA_TARGETS))
         if unknown:
             raise ValueError(f"LoRA target_modules {unknown} unknown; choose from "
                              f"{', '.join(LORA_TARGETS)}")
-        if self.rank < 0 or (self.rank and not self.target_modules):
-            raise ValueError("LoRA needs rank >= 0 and, with rank > 0, target_modules")
+        if self.rank < 0 or self.target_modules == ():
+            raise ValueError("LoRA needs rank >= 0 and target_modules None or not empty")
 
     @property
     def enabled(self) -> bool:
@@ -201,6 +193,9 @@ class ActorSpec:
     runs forwards without gradients and keeps no activations to recompute."""
     trust_remote_code: bool = False
     """Let the HF config load custom code shipped with the model (``model.trust_remote_code``)."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapters trained instead of the full weights (``actor.lora``; rank 0 = none): the
+    actor is built with the native spec, frozen, given adapters, and syncs merged weights."""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from megarl.megatron.checkpoint import (
 )
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.logprobs import compute_log_probs
+from megarl.megatron.lora import apply_lora, export_merged_weights
 from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
 from megarl.megatron.offload import PARTS, StateOffloader
 from megarl.megatron.optimizer import TrainableActor
@@ -76,7 +77,9 @@ class ActorWorker(Worker):
         self.spec = spec
         dtype = DTYPES[spec.dtype]
         model = self._build_model(dtype, router_replay=spec.router_replay,
-                                  recompute=spec.recompute)
+                                  recompute=spec.recompute, lora=spec.lora.enabled)
+        if spec.lora.enabled:
+            apply_lora(model, spec.lora)
         self.actor = TrainableActor(model, spec.optim)
         self.graphed = self._graphed_chunk() if spec.cuda_graphs else None
         self.ref: ActorModel | None = None
@@ -144,17 +147,19 @@ class ActorWorker(Worker):
         return {"peaks": peaks, "seconds": seconds}
 
     def _build_model(self, dtype: torch.dtype, router_replay: bool = False,
-                     recompute: RecomputeSettings | None = None) -> ActorModel:
+                     recompute: RecomputeSettings | None = None,
+                     lora: bool = False) -> ActorModel:
         """This rank's model chunks with the first weights (HF safetensors or dist checkpoint);
         with ``router_replay``, routers that can record and replay routes; with ``recompute``,
-        activation recomputation."""
+        activation recomputation; with ``lora``, megarl's native spec (which has adapters)."""
         spec = self.spec
         overrides = dict(ROUTER_REPLAY_OVERRIDES) if router_replay else {}
         overrides.update(recompute.config_overrides() if recompute is not None else {})
         model = build_actor_model(spec.model_path, spec.sizes, dtype, seed=spec.seed,
                                   load_weights=spec.init_checkpoint is None,
                                   config_overrides=overrides,
-                                  trust_remote_code=spec.trust_remote_code)
+                                  trust_remote_code=spec.trust_remote_code,
+                                  spec="native" if lora else "auto")
         if spec.init_checkpoint is not None:
             load_model_weights(spec.init_checkpoint, model)
         return model
@@ -273,6 +278,7 @@ class ActorWorker(Worker):
         ``background`` it returns once the state is staged in host memory; the files are
         written by a forked process and :meth:`finish_checkpoint` publishes them (a pending
         save is published first)."""
+        self._refuse_lora_checkpoints()
         self.background_saves.finish()
         with self._resident():
             if not background:
@@ -283,6 +289,11 @@ class ActorWorker(Worker):
             self.background_saves.submit(pending)
         return str(pending.final)
 
+    def _refuse_lora_checkpoints(self) -> None:
+        if self.spec.lora.enabled:
+            raise ValueError("the run checkpoint does not hold LoRA adapters yet; set "
+                             "trainer.save_every=0 and trainer.resume=never")
+
     def finish_checkpoint(self) -> str | None:
         """Wait for a background save's files and publish it (collective); its directory, or
         None when none was pending."""
@@ -292,6 +303,7 @@ class ActorWorker(Worker):
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor from a checkpoint (a directory or a root's latest); collective.
         The reference model keeps its initial weights. Returns the step and ``extra``."""
+        self._refuse_lora_checkpoints()
         self.background_saves.finish()
         with self._resident():
             loaded = load_checkpoint(path, self.actor)
@@ -303,7 +315,11 @@ class ActorWorker(Worker):
         """HF-named tensors of the actor (parameters brought back first if offloaded)."""
         with self._phase("sync_weights"):
             self._move(self.offloader, "reload", ["param"])
-            yield from self.actor.model.bridge.export_weights(self.actor.model.chunks)
+            model = self.actor.model
+            if self.spec.lora.enabled:  # W + scale * B @ A under the base names
+                yield from export_merged_weights(model)
+            else:
+                yield from model.bridge.export_weights(model.chunks)
 
     def weight_specs(self) -> list[tuple[str, list[int]]]:
         """HF names and shapes of every exported tensor, in export order (collective)."""

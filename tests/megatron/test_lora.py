@@ -232,3 +232,97 @@ def test_lora_bf16_base_stays_frozen_with_fp32_master_adapters(pool2, tiny_model
     norm = "model.layers.0.input_layernorm.weight"  # no adapter: exported as loaded
     assert merged[norm].dtype == torch.bfloat16
     assert torch.equal(merged[norm], original[norm].to(torch.bfloat16))
+
+
+def worker_lora_round(model_dir, batch):
+    """Run on each rank: an ActorWorker with ``actor.lora`` (dropout on) driven as the trainer
+    drives it: the HF export before and after one update, the adapters, the checkpoint call."""
+    from megarl.megatron.lora import peft_state_dict
+    from megarl.megatron.optimizer import OptimizerSettings
+    from megarl.megatron.settings import LoraSettings
+    from megarl.megatron.update import LossSettings
+    from megarl.megatron.worker import ActorSpec, ActorWorker
+
+    spec = ActorSpec(
+        model_path=model_dir, dtype="float32", sizes=ParallelSizes(),
+        optim=OptimizerSettings(lr=1e-2, weight_decay=0.0, use_distributed_optimizer=False),
+        loss=LossSettings(), with_ref=False, temperature=1.0, max_tokens_per_micro_batch=32,
+        seed=1, lora=LoraSettings(rank=RANK, alpha=ALPHA, dropout=0.1, seed=1,
+                                  exclude_modules=("layers.1.mlp.*",)))
+    worker = ActorWorker(spec)
+    before = worker.hf_state_dict()
+    mini_batch = [{key: s[key].tolist() for key in ("tokens", "loss_mask", "old_log_probs",
+                                                    "advantages")} for s in batch]
+    metrics = worker.update([mini_batch])
+    after = worker.hf_state_dict()
+    try:
+        worker.save_checkpoint("/nonexistent", 1, {}, keep_last=None)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    return before, metrics, after, peft_state_dict(worker.actor.model), refused
+
+
+def test_actor_worker_trains_lora_and_syncs_merged_weights(pool1, tiny_models, batch):
+    """The worker the trainer drives: adapters start at B = 0 (the export is the base model),
+    one update moves them, the export is then the PEFT merge of the adapters it holds; the
+    excluded layer has none; the run checkpoint is refused."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ((before, metrics, after, adapters, refused),) = pool1.run(
+        worker_lora_round, tiny_models["qwen3"], batch)
+    original = load_file(f"{tiny_models['qwen3']}/model.safetensors")
+    for name, value in original.items():
+        assert torch.equal(before[name], value), name
+    assert metrics[0]["actor/update_skipped"] == 0.0
+    assert not any(".layers.1.mlp." in k for k in adapters)
+    assert any(".layers.0.mlp.down_proj" in k for k in adapters)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32)
+    peft = get_peft_model(hf, LoraConfig(
+        r=RANK, lora_alpha=ALPHA, target_modules=HF_TARGETS,
+        exclude_modules=r".*layers\.1\.mlp\..*"))
+    assert not set_peft_model_state_dict(peft, adapters).unexpected_keys
+    merged = peft.merge_and_unload().state_dict()
+    changed = 0
+    for name, value in after.items():
+        torch.testing.assert_close(value, merged[name], atol=1e-6, rtol=0, msg=name)
+        changed += not torch.equal(value, original[name])
+    assert changed == 7 + 4  # layer 0: q, k, v, o, gate, up, down; layer 1: q, k, v, o
+    assert "trainer.resume=never" in refused
+
+
+def test_lora_dropout_acts_in_training_only(pool1, tiny_models):
+    results = pool1.run(dropout_on_rank, tiny_models["qwen3"])
+    train_a, train_b, eval_a, eval_b, no_dropout = results[0]
+    assert not torch.equal(train_a, train_b)  # a new mask per forward
+    assert torch.equal(eval_a, eval_b)
+    torch.testing.assert_close(eval_a, no_dropout, atol=0, rtol=0)
+    assert (train_a - eval_a).abs().max() > 1e-3
+
+
+def dropout_on_rank(model_dir):
+    """Run on a rank: one adapter's output twice in training and twice in eval mode with
+    dropout 0.5, and in eval mode without dropout (B set away from zero)."""
+    from megarl.megatron.lora import adapters, apply_lora
+    from megarl.megatron.model import build_actor_model
+    from megarl.megatron.settings import LoraSettings
+
+    outs = []
+    for dropout in (0.5, 0.0):
+        model = build_actor_model(model_dir, ParallelSizes(), torch.float32, spec="native")
+        apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, dropout=dropout,
+                                       target_modules=("linear_proj",)))
+        adapter = adapters(model)["layers.0.self_attention.linear_proj"]
+        with torch.no_grad():
+            adapter.lora_B.copy_(torch.randn(adapter.lora_B.shape,
+                                             generator=torch.Generator().manual_seed(3)))
+        x = torch.randn(5, 1, adapter.lora_A.shape[1], generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            if dropout:
+                adapter.train()
+                outs += [adapter(x), adapter(x)]
+            adapter.eval()
+            outs += [adapter(x)] * (2 if dropout else 1)
+    return tuple(outs)
