@@ -35,13 +35,14 @@ SGD_LR = 0.5
 ATOL = 2e-5  # fp32: the same sums in other orders (TP shards, packed micro-batches)
 
 
-def peft_model(model_dir: str, state: dict[str, torch.Tensor] | None = None):
+def peft_model(model_dir: str, state: dict[str, torch.Tensor] | None = None,
+               hf_targets: list[str] = HF_TARGETS):
     """The HF model (fp32) with PEFT LoRA adapters on every linear layer of its blocks."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=HF_TARGETS)
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=hf_targets)
     model = get_peft_model(hf, config)
     if state is not None:
         result = set_peft_model_state_dict(model, state)
@@ -49,21 +50,24 @@ def peft_model(model_dir: str, state: dict[str, torch.Tensor] | None = None):
     return model
 
 
-def initial_adapters(model_dir: str) -> dict[str, torch.Tensor]:
+def initial_adapters(model_dir: str, hf_targets: list[str] = HF_TARGETS
+                     ) -> dict[str, torch.Tensor]:
     """PEFT-named adapters, A and B random (seeded)."""
     from peft import get_peft_model_state_dict
 
     g = torch.Generator().manual_seed(7)
-    shapes = get_peft_model_state_dict(peft_model(model_dir))
+    shapes = get_peft_model_state_dict(peft_model(model_dir, hf_targets=hf_targets))
     return {name: 0.1 * torch.randn(t.shape, generator=g) for name, t in shapes.items()}
 
 
-def peft_reference_step(model_dir: str, batch: list[dict], state: dict, optimizer: str) -> dict:
+def peft_reference_step(model_dir: str, batch: list[dict], state: dict, optimizer: str,
+                        hf_targets: list[str] = HF_TARGETS) -> dict:
     """One step of the PEFT model: adapters after it, log-probs of the stepped model, loss
     terms, gradient norm and the merged HF weights (``merge_and_unload``)."""
     from peft import get_peft_model_state_dict
+    from safetensors.torch import load_file
 
-    model = peft_model(model_dir, state)
+    model = peft_model(model_dir, state, hf_targets)
     pg, ent, kl = reference_loss_terms(model, batch)
     (pg - ENTROPY_COEFF * ent + KL_COEF * kl).backward()
     named = {n.replace(".default", ""): p for n, p in model.named_parameters() if p.requires_grad}
@@ -78,14 +82,17 @@ def peft_reference_step(model_dir: str, batch: list[dict], state: dict, optimize
     with torch.no_grad():
         log_probs = [hf_log_probs(model, s["tokens"]) for s in batch]
     adapters = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
-    merged = {k: v.detach().clone() for k, v in model.merge_and_unload().state_dict().items()}
+    # under checkpoint names (HF fuses the experts in memory and splits them on save)
+    out = f"{model_dir}.peft_merged_{optimizer}"
+    model.merge_and_unload().save_pretrained(out)
+    merged = load_file(f"{out}/model.safetensors")
     return {"adapters": adapters, "log_probs": log_probs, "pg_loss": pg.item(),
             "entropy": ent.item(), "kl_loss": kl.item(), "grad_norm": grad_norm,
             "merged": merged, "grads": grads}
 
 
 def lora_update_on_rank(model_dir, sizes, batch, state, optimizer="sgd", budget=None,
-                        dp_split=False, dtype=torch.float32):
+                        dp_split=False, dtype=torch.float32, targets=MEGATRON_TARGETS):
     """Run on each rank: LoRA adapters set to ``state``, one train_step; returns the metrics,
     the adapters after the step (PEFT names, whole), the stepped model's log-probs, the merged
     export (rank 0) and what megatron's DDP and optimizer hold."""
@@ -106,7 +113,7 @@ def lora_update_on_rank(model_dir, sizes, batch, state, optimizer="sgd", budget=
     from megarl.megatron.update import LossSettings, TrainSequence, train_step
 
     model = build_actor_model(model_dir, sizes, dtype, spec="native")
-    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=MEGATRON_TARGETS))
+    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, target_modules=targets))
     load_peft_state_dict(model, state)
     actor = TrainableActor(model, OptimizerSettings(
         lr=SGD_LR if optimizer == "sgd" else ADAM_LR, weight_decay=0.0, grad_clip=0.0,
@@ -128,7 +135,12 @@ def lora_update_on_rank(model_dir, sizes, batch, state, optimizer="sgd", budget=
                             kl_loss_coef=KL_COEF, kl_loss_type="low_var_kl")
     metrics = train_step(actor, [TrainSequence(**s) for s in batch], settings,
                          max_tokens_per_micro_batch=budget)
-    after = peft_state_dict(model)
+    after = {}
+    stages = [None] * mpu.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, peft_state_dict(model),
+                           group=mpu.get_pipeline_model_parallel_group())
+    for stage in stages:  # each pipeline stage holds the adapters of its layers
+        after.update(stage)
     log_probs = compute_log_probs(model, [s["tokens"] for s in batch]).log_probs
     merged = {name: t.detach().clone() for name, t in export_merged_weights(model)}
     first = dist.get_rank() == 0
@@ -192,15 +204,60 @@ LAYOUTS = [
     (ParallelSizes(), {"budget": 16}),
     (ParallelSizes(tp=2), {"budget": 16}),  # sequence parallel
     (ParallelSizes(tp=2, sequence_parallel=False), {}),
+    (ParallelSizes(pp=2), {"budget": 16}),
 ]
 
 
 @pytest.mark.parametrize("sizes,kw", LAYOUTS, ids=[f"{s}-{k}" for s, k in LAYOUTS])
 def test_lora_sgd_step_matches_peft(pool1, pool2, tiny_models, batch, start, sgd_reference,
                                     sizes, kw):
-    pool = pool1 if sizes.tp == 1 else pool2
+    pool = pool1 if sizes == ParallelSizes() else pool2
     results = pool.run(lora_update_on_rank, tiny_models["qwen3"], sizes, batch, start, **kw)
     assert_same_lora_update(results, sgd_reference, start)
+
+
+# MoE models: adapters on the attention (qwen3_moe has no dense MLP) and on the shared expert
+# (qwen2_moe); the routed experts have none.
+MOE_CASES = {
+    "qwen3_moe": (("linear_qkv", "linear_proj"), ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "qwen2_moe": (("linear_qkv", "linear_proj", "shared_experts.linear_fc1",
+                   "shared_experts.linear_fc2"),
+                  ["q_proj", "k_proj", "v_proj", "o_proj", "shared_expert.gate_proj",
+                   "shared_expert.up_proj", "shared_expert.down_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_references(tiny_models) -> dict[str, tuple]:
+    """(batch, initial adapters, PEFT SGD step) per MoE model."""
+    out = {}
+    for name, (_, hf_targets) in MOE_CASES.items():
+        model_dir = tiny_models[name]
+        moe_batch = make_batch(model_dir)
+        moe_start = initial_adapters(model_dir, hf_targets)
+        out[name] = (moe_batch, moe_start,
+                     peft_reference_step(model_dir, moe_batch, moe_start, "sgd", hf_targets))
+    return out
+
+
+MOE_LAYOUTS = [
+    ("qwen3_moe", ParallelSizes(), {}),
+    ("qwen3_moe", ParallelSizes(ep=2), {"budget": 16}),
+    ("qwen3_moe", ParallelSizes(tp=2), {"budget": 20}),
+    ("qwen2_moe", ParallelSizes(), {}),
+    ("qwen2_moe", ParallelSizes(tp=2), {"budget": 20}),
+]
+
+
+@pytest.mark.parametrize("name,sizes,kw", MOE_LAYOUTS,
+                         ids=[f"{n}-{s}-{k}" for n, s, k in MOE_LAYOUTS])
+def test_moe_lora_sgd_step_matches_peft(pool1, pool2, tiny_models, moe_references, name, sizes,
+                                        kw):
+    moe_batch, moe_start, reference = moe_references[name]
+    pool = pool1 if sizes == ParallelSizes() else pool2
+    results = pool.run(lora_update_on_rank, tiny_models[name], sizes, moe_batch, moe_start,
+                       targets=MOE_CASES[name][0], **kw)
+    assert_same_lora_update(results, reference, moe_start)
 
 
 def test_lora_adam_distributed_optimizer_with_data_parallel(pool2, tiny_models, batch, start):
