@@ -48,9 +48,4 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
         t.startswith("experts.") for t in c.actor.lora.target_modules or ()),
      ("LoRA on the routed experts (grouped expert GEMMs under EP/expert-TP) is not built; "
       "remove experts.linear_fc1/experts.linear_fc2 from actor.lora.target_modules")),
-    ("actor.lora.rank", lambda c: c.actor.lora.rank > 0 and (
-        c.trainer.save_every > 0 or c.trainer.resume != "never"),
-     ("the run checkpoint does not save or restore LoRA adapters yet (their TP shards would be "
-      "saved as replicas); set trainer.save_every=0 and trainer.resume=never, or "
-      "actor.lora.rank=0")),
 )

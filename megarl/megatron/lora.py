@@ -23,6 +23,8 @@ megatron adapter is a PEFT adapter up to sharding. Sharding follows the base lay
 A replicated matrix that sees only this rank's sequence shard is marked ``sequence_parallel``,
 so megatron all-reduces its gradient over TP as it does the norms'.
 
+In the run checkpoint an adapted layer's ``sharded_state_dict`` adds its adapters as shards
+along their own TP axes (each B of a fused layer one tensor), so they reload under any layout.
 :func:`merged_weights` lets the bridge export ``W + scale * B @ A`` under the base names (the
 weight sync of any engine); :func:`peft_state_dict` / :func:`load_peft_state_dict` read and set
 the adapters under PEFT's names, whole (gathered over TP).
@@ -31,6 +33,7 @@ the adapters under PEFT's names, whole (gathered over TP).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
 from collections.abc import Iterator
@@ -50,6 +53,10 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
+)
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
 )
 
 from megarl.config.lora_layers import (
@@ -82,9 +89,11 @@ HF_SHARED_EXPERT: dict[str, str] = {"qwen2_moe": "mlp.shared_expert",
 
 class LoraAdapter(torch.nn.Module):
     """The adapters of one linear layer: ``lora_A`` stacks the parts' A matrices
-    (``[parts * r, in]``, input columns of this TP rank for a row-parallel layer) and ``lora_B``
-    their B matrices (``[out, r]``, output rows of this TP rank for a column-parallel layer,
-    part after part); the layer's output is the parts' outputs laid out as the base layer's."""
+    (``[parts * r, in]``, input columns of this TP rank for a row-parallel layer) and
+    ``lora_B[p]`` is part ``p``'s B matrix (``[out_p, r]``, this TP rank's output rows for a
+    column-parallel layer); the layer's output is the parts' outputs laid out as the base
+    layer's. Each B of a column-parallel layer is one TP-sharded tensor in checkpoints, so
+    they reshard to any TP size."""
 
     def __init__(self, base: torch.nn.Module, name: str, kind: str, parts: tuple[str, ...],
                  settings: LoraSettings) -> None:
@@ -109,19 +118,28 @@ class LoraAdapter(torch.nn.Module):
         in_local = self.in_features // self.tp_size if kind == "row" else self.in_features
         kw = {"dtype": config.params_dtype, "device": base.weight.device}
         self.lora_A = torch.nn.Parameter(torch.empty(len(parts) * self.rank, in_local, **kw))
-        self.lora_B = torch.nn.Parameter(torch.zeros(out_local, self.rank, **kw))
+        self.lora_B = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.zeros(out, self.rank, **kw)) for out in self.out_sizes])
         whole = torch.empty(len(parts) * self.rank, self.in_features, dtype=torch.float32)
         seeded = torch.Generator().manual_seed(settings.seed + zlib.crc32(name.encode()))
         torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=seeded)
         with torch.no_grad():
             self.lora_A.copy_(self._shard_a(whole))
-        sharded, whole_one = (self.lora_B, self.lora_A) if kind == "column" else (
-            self.lora_A, self.lora_B)
-        set_tensor_model_parallel_attributes(sharded, is_parallel=True,
-                                             dim=0 if kind == "column" else 1, stride=1)
-        set_defaults_if_not_set_tensor_model_parallel_attributes(whole_one)
-        # fed by this rank's sequence shard only: megatron sums its gradient over TP
-        whole_one.sequence_parallel = self.sequence_parallel
+        sharded, whole = ([*self.lora_B], [self.lora_A]) if kind == "column" else (
+            [self.lora_A], [*self.lora_B])
+        for param in sharded:
+            set_tensor_model_parallel_attributes(param, is_parallel=True,
+                                                 dim=0 if kind == "column" else 1, stride=1)
+        for param in whole:
+            set_defaults_if_not_set_tensor_model_parallel_attributes(param)
+            # fed by this rank's sequence shard only: megatron sums its gradient over TP
+            param.sequence_parallel = self.sequence_parallel
+
+    def checkpoint_axes(self) -> dict[str, int]:
+        """The TP-sharded tensors by state-dict key under the base layer, and their axis."""
+        if self.kind == "row":
+            return {"lora.lora_A": 1}
+        return {f"lora.lora_B.{i}": 0 for i in range(len(self.parts))}
 
     def _shard_a(self, whole: torch.Tensor) -> torch.Tensor:
         return whole.chunk(self.tp_size, dim=1)[self.tp_rank] if self.kind == "row" else whole
@@ -153,31 +171,31 @@ class LoraAdapter(torch.nn.Module):
             elif self.tp_size > 1:
                 z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
             zs = z.split(self.rank, dim=-1)
-            bs = self.lora_B.split(self.out_sizes, dim=0)
-            return self._layout([F.linear(zp, bp) for zp, bp in zip(zs, bs)]) * self.scale
+            outs = [F.linear(zp, bp) for zp, bp in zip(zs, self.lora_B)]
+            return self._layout(outs) * self.scale
         if self.sequence_parallel:
             z = reduce_scatter_to_sequence_parallel_region(z, group=self.tp_group)
         elif self.tp_size > 1:
             z = reduce_from_tensor_model_parallel_region(z, group=self.tp_group)
-        return F.linear(z, self.lora_B) * self.scale
+        return F.linear(z, self.lora_B[0]) * self.scale
 
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """``scale * B @ A`` of this rank's shard of the base weight (fp32)."""
-        a, b = self.lora_A.float(), self.lora_B.float()
+        a, bs = self.lora_A.float(), [b.float() for b in self.lora_B]
         if self.kind == "row":
-            return self.scale * (b @ a)
-        pieces = [(bp @ ap).T for ap, bp in zip(a.split(self.rank), b.split(self.out_sizes))]
+            return self.scale * (bs[0] @ a)
+        pieces = [(bp @ ap).T for ap, bp in zip(a.split(self.rank), bs)]
         return self.scale * self._layout(pieces).T
 
     @torch.no_grad()
     def whole_parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(A, B)`` of every part, gathered over TP (collective over the TP group)."""
-        a, b = self.lora_A.detach(), self.lora_B.detach()
+        a, bs = self.lora_A.detach(), [b.detach() for b in self.lora_B]
         if self.kind == "row":
-            return [(_gather(a, 1, self.tp_group), b.clone())]
+            return [(_gather(a, 1, self.tp_group), bs[0].clone())]
         return [(ap.clone(), _gather(bp, 0, self.tp_group))
-                for ap, bp in zip(a.split(self.rank), b.split(self.out_sizes))]
+                for ap, bp in zip(a.split(self.rank), bs)]
 
     @torch.no_grad()
     def load_whole_parts(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -185,10 +203,8 @@ class LoraAdapter(torch.nn.Module):
         if len(parts) != len(self.parts):
             raise ValueError(f"{self.name}: {len(parts)} adapters given, {len(self.parts)} held")
         self.lora_A.copy_(self._shard_a(torch.cat([a for a, _ in parts])))
-        if self.kind == "row":
-            self.lora_B.copy_(parts[0][1])
-        else:
-            self.lora_B.copy_(torch.cat([b.chunk(self.tp_size)[self.tp_rank] for _, b in parts]))
+        for mine, (_, b) in zip(self.lora_B, parts):
+            mine.copy_(b if self.kind == "row" else b.chunk(self.tp_size)[self.tp_rank])
 
 
 def _gather(shard: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
@@ -206,6 +222,20 @@ def _add_adapter_output(module: torch.nn.Module, args: tuple, kwargs: dict, outp
         x = module.normalize(x)
     out, bias = output
     return out + module.lora(x), bias
+
+
+def _sharded_state_dict_with_adapter(module: torch.nn.Module, base: Any, prefix: str = "",
+                                     sharded_offsets: tuple = (), metadata: dict | None = None
+                                     ) -> dict[str, Any]:
+    """The base layer's checkpoint shards, its adapter's with their own TP axes (the base
+    layer's method would save them as replicas)."""
+    out = base(prefix, sharded_offsets, metadata)
+    adapter = module.lora
+    tensors = {f"lora.{name}": p for name, p in adapter.named_parameters()}
+    out.update(make_sharded_tensors_for_checkpoint(
+        tensors, prefix, adapter.checkpoint_axes(), sharded_offsets, tp_group=adapter.tp_group,
+        dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
+    return out
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -263,6 +293,8 @@ def apply_lora(model: ActorModel, settings: LoraSettings) -> list[str]:
             kind = "row" if target in ROW_PARALLEL else "column"
             module.lora = LoraAdapter(module, name, kind, _parts(target, config), settings)
             module.register_forward_hook(_add_adapter_output, with_kwargs=True)
+            module.sharded_state_dict = functools.partial(_sharded_state_dict_with_adapter,
+                                                          module, module.sharded_state_dict)
             names.append(name)
     return names
 

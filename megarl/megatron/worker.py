@@ -278,7 +278,6 @@ class ActorWorker(Worker):
         ``background`` it returns once the state is staged in host memory; the files are
         written by a forked process and :meth:`finish_checkpoint` publishes them (a pending
         save is published first)."""
-        self._refuse_lora_checkpoints()
         self.background_saves.finish()
         with self._resident():
             if not background:
@@ -289,11 +288,6 @@ class ActorWorker(Worker):
             self.background_saves.submit(pending)
         return str(pending.final)
 
-    def _refuse_lora_checkpoints(self) -> None:
-        if self.spec.lora.enabled:
-            raise ValueError("the run checkpoint does not hold LoRA adapters yet; set "
-                             "trainer.save_every=0 and trainer.resume=never")
-
     def finish_checkpoint(self) -> str | None:
         """Wait for a background save's files and publish it (collective); its directory, or
         None when none was pending."""
@@ -303,7 +297,6 @@ class ActorWorker(Worker):
     def load_checkpoint(self, path: str) -> dict[str, Any]:
         """Restore the actor from a checkpoint (a directory or a root's latest); collective.
         The reference model keeps its initial weights. Returns the step and ``extra``."""
-        self._refuse_lora_checkpoints()
         self.background_saves.finish()
         with self._resident():
             loaded = load_checkpoint(path, self.actor)

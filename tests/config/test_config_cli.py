@@ -121,7 +121,6 @@ NOT_BUILT_TRIGGERS: dict[str, tuple[str, ...]] = {
                                  "algorithm.rollout_correction.bypass_mode=true"),
     "actor.lora.target_modules": ("actor.lora.rank=8",
                                   "actor.lora.target_modules=[experts.linear_fc1]"),
-    "actor.lora.rank": ("actor.lora.rank=8", "trainer.save_every=5"),
 }
 
 

@@ -293,7 +293,7 @@ def test_lora_bf16_base_stays_frozen_with_fp32_master_adapters(pool2, tiny_model
 
 def worker_lora_round(model_dir, batch):
     """Run on each rank: an ActorWorker with ``actor.lora`` (dropout on) driven as the trainer
-    drives it: the HF export before and after one update, the adapters, the checkpoint call."""
+    drives it: the HF export before and after one update, and the adapters."""
     from megarl.megatron.lora import peft_state_dict
     from megarl.megatron.optimizer import OptimizerSettings
     from megarl.megatron.settings import LoraSettings
@@ -312,23 +312,18 @@ def worker_lora_round(model_dir, batch):
                                                     "advantages")} for s in batch]
     metrics = worker.update([mini_batch])
     after = worker.hf_state_dict()
-    try:
-        worker.save_checkpoint("/nonexistent", 1, {}, keep_last=None)
-        refused = ""
-    except ValueError as err:
-        refused = str(err)
-    return before, metrics, after, peft_state_dict(worker.actor.model), refused
+    return before, metrics, after, peft_state_dict(worker.actor.model)
 
 
 def test_actor_worker_trains_lora_and_syncs_merged_weights(pool1, tiny_models, batch):
     """The worker the trainer drives: adapters start at B = 0 (the export is the base model),
     one update moves them, the export is then the PEFT merge of the adapters it holds; the
-    excluded layer has none; the run checkpoint is refused."""
+    excluded layer has none."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    ((before, metrics, after, adapters, refused),) = pool1.run(
+    ((before, metrics, after, adapters),) = pool1.run(
         worker_lora_round, tiny_models["qwen3"], batch)
     original = load_file(f"{tiny_models['qwen3']}/model.safetensors")
     for name, value in original.items():
@@ -347,7 +342,6 @@ def test_actor_worker_trains_lora_and_syncs_merged_weights(pool1, tiny_models, b
         torch.testing.assert_close(value, merged[name], atol=1e-6, rtol=0, msg=name)
         changed += not torch.equal(value, original[name])
     assert changed == 7 + 4  # layer 0: q, k, v, o, gate, up, down; layer 1: q, k, v, o
-    assert "trainer.resume=never" in refused
 
 
 def test_lora_dropout_acts_in_training_only(pool1, tiny_models):
@@ -373,7 +367,7 @@ def dropout_on_rank(model_dir):
                                        target_modules=("linear_proj",)))
         adapter = adapters(model)["layers.0.self_attention.linear_proj"]
         with torch.no_grad():
-            adapter.lora_B.copy_(torch.randn(adapter.lora_B.shape,
+            adapter.lora_B[0].copy_(torch.randn(adapter.lora_B[0].shape,
                                              generator=torch.Generator().manual_seed(3)))
         x = torch.randn(5, 1, adapter.lora_A.shape[1], generator=torch.Generator().manual_seed(4))
         with torch.no_grad():
