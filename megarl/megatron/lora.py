@@ -34,9 +34,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 import zlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -379,3 +381,31 @@ def load_peft_state_dict(model: ActorModel, state: dict[str, torch.Tensor]) -> N
             raise KeyError(f"{adapter.name}: no adapter for {missing[0]} in the state given")
         adapter.load_whole_parts([(state[f"{k}.lora_A.weight"], state[f"{k}.lora_B.weight"])
                                   for k in keys])
+
+
+def save_peft_adapter(model: ActorModel, settings: LoraSettings, out: str | Path,
+                      base_model: str | None = None) -> Path | None:
+    """Write the adapters as a PEFT adapter directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads on the HF
+    model; collective over the model-parallel groups, global rank 0 writes and gets the
+    directory (the others None). Every adapted HF module is named in ``target_modules`` (so
+    exclusions carry over)."""
+    from safetensors.torch import save_file
+
+    stages = [None] * mpu.get_pipeline_model_parallel_world_size()
+    dist.all_gather_object(stages, peft_state_dict(model),
+                           group=mpu.get_pipeline_model_parallel_group())
+    if dist.get_rank() != 0:
+        return None
+    tensors = {k: v.contiguous() for stage in stages for k, v in stage.items()}
+    prefix, suffix = "base_model.model.", ".lora_A.weight"
+    modules = sorted(k[len(prefix):-len(suffix)] for k in tensors if k.endswith(suffix))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
+              "lora_alpha": settings.alpha, "lora_dropout": settings.dropout, "bias": "none",
+              "target_modules": modules, "base_model_name_or_path": base_model,
+              "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True}
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return out

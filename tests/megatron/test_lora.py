@@ -377,3 +377,52 @@ def dropout_on_rank(model_dir):
             adapter.eval()
             outs += [adapter(x)] * (2 if dropout else 1)
     return tuple(outs)
+
+
+def train_and_export_peft(model_dir, sizes, batch, out):
+    """Run on each rank: adapters (one projection excluded), one AdamW step, the PEFT adapter
+    directory written; returns the stepped model's log-probs."""
+    from megarl.megatron.logprobs import compute_log_probs
+    from megarl.megatron.lora import apply_lora, save_peft_adapter
+    from megarl.megatron.model import build_actor_model
+    from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
+    from megarl.megatron.settings import LoraSettings
+    from megarl.megatron.update import LossSettings, TrainSequence, train_step
+
+    settings = LoraSettings(rank=RANK, alpha=ALPHA, seed=3,
+                            exclude_modules=("layers.1.self_attention.linear_proj",))
+    model = build_actor_model(model_dir, sizes, torch.float32, spec="native")
+    apply_lora(model, settings)
+    actor = TrainableActor(model, OptimizerSettings(lr=1e-2, weight_decay=0.0))
+    for _ in range(2):  # the second step moves A too (B is 0 before the first)
+        train_step(actor, [TrainSequence(**s) for s in batch], LossSettings(),
+                   max_tokens_per_micro_batch=16)
+    save_peft_adapter(model, settings, out, base_model=model_dir)
+    return compute_log_probs(model, [s["tokens"] for s in batch]).log_probs
+
+
+@pytest.mark.parametrize("sizes", [ParallelSizes(tp=2), ParallelSizes(pp=2)],
+                         ids=["tp2", "pp2"])
+def test_exported_peft_adapter_gives_the_trained_log_probs(pool2, tiny_models, batch, tmp_path,
+                                                           sizes):
+    """``save_peft_adapter`` writes what ``PeftModel.from_pretrained`` loads on the HF model,
+    and that model scores like the trained actor."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "adapter"
+    trained = pool2.run(train_and_export_peft, tiny_models["qwen3"], sizes, batch, out)[0]
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["lora_alpha"] == ALPHA
+    assert "model.layers.1.self_attn.o_proj" not in config["target_modules"]
+    assert len(config["target_modules"]) == 2 * 7 - 1
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32)
+    base_scores = [hf_log_probs(hf, s["tokens"]).detach() for s in batch]
+    model = PeftModel.from_pretrained(hf, str(out))
+    with torch.no_grad():
+        for s, mine, base in zip(batch, trained, base_scores):
+            scored = hf_log_probs(model, s["tokens"])
+            torch.testing.assert_close(scored, mine, atol=1e-4, rtol=0)
+            assert (scored - base).abs().max() > 1e-3  # the adapters are in it
