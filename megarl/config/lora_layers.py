@@ -75,3 +75,20 @@ def selection_problems(moe_layers: Sequence[bool], shared_experts: bool,
 def is_excluded_any(names: Sequence[str], pattern: str) -> bool:
     """Whether ``pattern`` matches one of ``names``."""
     return any(fnmatch.fnmatchcase(n, pattern) for n in names)
+
+
+def adapter_params(name: str, rank: int, sizes: dict[str, int], tp: int) -> int:
+    """Adapter parameters of layer ``name`` on one of ``tp`` ranks: per HF projection
+    ``rank x (in + out)``, the output side split over TP for a column-parallel layer (B), the
+    input side for a row-parallel one (A). ``sizes``: hidden, q, kv, ffn, shared_ffn widths."""
+    h, q, kv = sizes["hidden"], sizes["q"], sizes["kv"]
+    ffn = sizes["shared_ffn"] if ".shared_experts." in name else sizes["ffn"]
+    target = LAYER_PATHS[name.split(".", 2)[2]]
+    column = {"linear_qkv": (h, (q, kv, kv)), "linear_fc1": (h, (ffn, ffn)),
+              "shared_experts.linear_fc1": (h, (ffn, ffn))}
+    row = {"linear_proj": (q, h), "linear_fc2": (ffn, h), "shared_experts.linear_fc2": (ffn, h)}
+    if target in column:
+        width, outs = column[target]
+        return sum(rank * (width + -(-out // tp)) for out in outs)
+    width, out = row[target]
+    return rank * (-(-width // tp) + out)
