@@ -133,6 +133,12 @@ def plan_export(reader: CheckpointTensors, bridge: Any, config_dir: Path, config
     if not stored:
         raise ConversionError(f"{reader.directory}: the checkpoint holds no model tensors "
                               "(embedding.*, decoder.*, output_layer.*)")
+    adapters = [t.key for t in stored if ".lora." in t.key]
+    if adapters:
+        raise ConversionError(f"{reader.directory}: the checkpoint holds LoRA adapters "
+                              f"({adapters[0]}, ...); merging them into HF weights or exporting "
+                              "them for PEFT is not built in megarl-convert yet (the actor's "
+                              "megarl.megatron.lora.save_peft_adapter writes a PEFT adapter)")
     raw = []
     for tensor in stored:
         stacked, experts = _leading_axes(tensor.key)

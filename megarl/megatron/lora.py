@@ -127,12 +127,12 @@ class LoraAdapter(torch.nn.Module):
         torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=seeded)
         with torch.no_grad():
             self.lora_A.copy_(self._shard_a(whole))
-        sharded, whole = ([*self.lora_B], [self.lora_A]) if kind == "column" else (
+        sharded, replicated = ([*self.lora_B], [self.lora_A]) if kind == "column" else (
             [self.lora_A], [*self.lora_B])
         for param in sharded:
             set_tensor_model_parallel_attributes(param, is_parallel=True,
                                                  dim=0 if kind == "column" else 1, stride=1)
-        for param in whole:
+        for param in replicated:
             set_defaults_if_not_set_tensor_model_parallel_attributes(param)
             # fed by this rank's sequence shard only: megatron sums its gradient over TP
             param.sequence_parallel = self.sequence_parallel

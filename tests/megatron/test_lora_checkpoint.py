@@ -84,3 +84,14 @@ def test_adapters_resume_exactly_under_any_layout(pool1, pool2, tiny_models, tmp
         torch.testing.assert_close(resumed[name], continued[name], atol=atol, rtol=0, msg=name)
     for mine, ref in zip(scores, saved_scores):  # the base came back too
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0)
+
+
+def test_mcore_to_hf_refuses_a_checkpoint_with_adapters(pool2, tiny_models, tmp_path):
+    """megarl-convert cannot merge or export adapters yet: it says so instead of failing on the
+    first adapter tensor or dropping them."""
+    from bridge.checks import ConversionError
+    from bridge.mcore_to_hf import mcore_to_hf
+
+    pool2.run(save_or_resume, tiny_models["qwen3"], ParallelSizes(tp=2), tmp_path / "run", False)
+    with pytest.raises(ConversionError, match="holds LoRA adapters"):
+        mcore_to_hf(tmp_path / "run", tmp_path / "hf", hf_config=tiny_models["qwen3"])
