@@ -38,7 +38,7 @@ from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.router_replay import ROUTER_REPLAY_OVERRIDES, RouteRecording
 from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
-from megarl.megatron.settings import DTYPES, ActorSpec
+from megarl.megatron.settings import DTYPES, ActorSpec, LoraSettings
 from megarl.megatron.update import TrainSequence, train_step
 from megarl.memory import Peaks, free_cached_memory, phase_memory
 from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
@@ -77,9 +77,8 @@ class ActorWorker(Worker):
         self.spec = spec
         dtype = DTYPES[spec.dtype]
         model = self._build_model(dtype, router_replay=spec.router_replay,
-                                  recompute=spec.recompute, lora=spec.lora.enabled)
-        if spec.lora.enabled:
-            apply_lora(model, spec.lora)
+                                  recompute=spec.recompute,
+                                  lora=spec.lora if spec.lora.enabled else None)
         self.actor = TrainableActor(model, spec.optim)
         self.graphed = self._graphed_chunk() if spec.cuda_graphs else None
         self.ref: ActorModel | None = None
@@ -148,10 +147,11 @@ class ActorWorker(Worker):
 
     def _build_model(self, dtype: torch.dtype, router_replay: bool = False,
                      recompute: RecomputeSettings | None = None,
-                     lora: bool = False) -> ActorModel:
+                     lora: LoraSettings | None = None) -> ActorModel:
         """This rank's model chunks with the first weights (HF safetensors or dist checkpoint);
         with ``router_replay``, routers that can record and replay routes; with ``recompute``,
-        activation recomputation; with ``lora``, megarl's native spec (which has adapters)."""
+        activation recomputation; with ``lora``, LoRA adapters (native spec), which a dist
+        checkpoint that holds adapters sets too."""
         spec = self.spec
         overrides = dict(ROUTER_REPLAY_OVERRIDES) if router_replay else {}
         overrides.update(recompute.config_overrides() if recompute is not None else {})
@@ -160,6 +160,8 @@ class ActorWorker(Worker):
                                   config_overrides=overrides,
                                   trust_remote_code=spec.trust_remote_code,
                                   spec="native" if lora else "auto")
+        if lora is not None:
+            apply_lora(model, lora)
         if spec.init_checkpoint is not None:
             load_model_weights(spec.init_checkpoint, model)
         return model

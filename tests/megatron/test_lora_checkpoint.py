@@ -95,3 +95,65 @@ def test_mcore_to_hf_refuses_a_checkpoint_with_adapters(pool2, tiny_models, tmp_
     pool2.run(save_or_resume, tiny_models["qwen3"], ParallelSizes(tp=2), tmp_path / "run", False)
     with pytest.raises(ConversionError, match="holds LoRA adapters"):
         mcore_to_hf(tmp_path / "run", tmp_path / "hf", hf_config=tiny_models["qwen3"])
+
+
+def save_plain(model_dir, sizes, root):
+    """Run on each rank: a full-weight actor takes one step and is saved; its log-probs."""
+    from test_checkpoint import build
+
+    from megarl.megatron.checkpoint import save_checkpoint
+
+    actor = build(model_dir, sizes)
+    train(actor, seed=0)
+    with child_processes_allowed():
+        save_checkpoint(root, actor, 1)
+    return log_probs(actor.model)
+
+
+def first_weights_from(model_dir, sizes, root, lora: bool):
+    """Run on each rank: a randomly initialised model (with seed-7 adapters if ``lora``) whose
+    first weights come from ``root`` (``model.mcore_checkpoint``); its adapters and log-probs,
+    or the error's text."""
+    from megarl.megatron.checkpoint import load_model_weights
+    from megarl.megatron.lora import apply_lora
+    from megarl.megatron.model import build_actor_model
+    from megarl.megatron.settings import LoraSettings
+
+    model = build_actor_model(model_dir, sizes, torch.float32, spec="native",
+                              load_weights=False)
+    if lora:
+        apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, seed=7))
+    before = whole_adapters(model)
+    try:
+        load_model_weights(root, model)
+    except ValueError as err:
+        return str(err)
+    return before, whole_adapters(model), log_probs(model)
+
+
+def test_first_weights_from_a_checkpoint_with_or_without_adapters(pool1, pool2, tiny_models,
+                                                                  tmp_path):
+    """``model.mcore_checkpoint`` with LoRA: a LoRA run's checkpoint gives base and adapters;
+    a full-weight one the base, the adapters keeping their start (B = 0: the checkpoint's
+    log-probs); a model without adapters refuses a checkpoint that holds some."""
+    path = tiny_models["qwen3"]
+    _, saved, saved_scores, _ = pool2.run(save_or_resume, path, ParallelSizes(tp=2),
+                                          tmp_path / "lora", False)[0]
+    _, adapters, scores = pool1.run(first_weights_from, path, ParallelSizes(), tmp_path / "lora",
+                                    True)[0]
+    assert set(adapters) == set(saved)
+    for name, value in saved.items():
+        assert torch.equal(adapters[name], value), name
+    for mine, ref in zip(scores, saved_scores):
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0)
+
+    plain_scores = pool2.run(save_plain, path, ParallelSizes(tp=2), tmp_path / "plain")[0]
+    before, adapters, scores = pool1.run(first_weights_from, path, ParallelSizes(),
+                                         tmp_path / "plain", True)[0]
+    for name, value in before.items():
+        assert torch.equal(adapters[name], value), name
+    for mine, ref in zip(scores, plain_scores):
+        torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0)
+
+    error = pool1.run(first_weights_from, path, ParallelSizes(), tmp_path / "lora", False)[0]
+    assert "holds LoRA adapters" in error
