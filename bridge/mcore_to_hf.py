@@ -136,9 +136,9 @@ def plan_export(reader: CheckpointTensors, bridge: Any, config_dir: Path, config
     adapters = [t.key for t in stored if ".lora." in t.key]
     if adapters:
         raise ConversionError(f"{reader.directory}: the checkpoint holds LoRA adapters "
-                              f"({adapters[0]}, ...); merging them into HF weights or exporting "
-                              "them for PEFT is not built in megarl-convert yet (the actor's "
-                              "megarl.megatron.lora.save_peft_adapter writes a PEFT adapter)")
+                              f"({adapters[0]}, ...); merging them into HF weights is not built "
+                              "in megarl-convert yet; `megarl-convert lora-to-peft` exports "
+                              "them as a PEFT adapter of the HF model")
     raw = []
     for tensor in stored:
         stacked, experts = _leading_axes(tensor.key)

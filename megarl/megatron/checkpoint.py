@@ -31,6 +31,7 @@ holds (fingerprint, layout, sharded state) is built in :mod:`megarl.megatron.che
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -243,6 +244,8 @@ def start_save(
         "model": model_fingerprint(model.hf_config),
         "layout": current_layout(),
         "has_optimizer": with_optimizer,
+        # what built the adapters, for exporting them (megarl-convert lora-to-peft)
+        "lora": None if model.lora is None else dataclasses.asdict(model.lora),
     }
     request.add_finalize_fn(functools.partial(_finalize_publication, tmp, final, manifest,
                                               keep_last))

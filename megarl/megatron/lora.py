@@ -283,6 +283,7 @@ def apply_lora(model: ActorModel, settings: LoraSettings) -> list[str]:
     problems = selection_problems(moe_layers, shared, targets, settings.exclude_modules)
     if problems:
         raise ValueError(f"actor.lora.{problems[0]}")
+    model.lora = settings
     for chunk in model.chunks:
         chunk.requires_grad_(False)
     names = []

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_checkpoint import child_processes_allowed, log_probs, train
+from test_checkpoint import child_processes_allowed, log_probs, sequences, train
 
 from megarl.megatron.parallel import ParallelSizes
 
@@ -157,3 +157,33 @@ def test_first_weights_from_a_checkpoint_with_or_without_adapters(pool1, pool2, 
 
     error = pool1.run(first_weights_from, path, ParallelSizes(), tmp_path / "lora", False)[0]
     assert "holds LoRA adapters" in error
+
+
+def test_megarl_convert_lora_to_peft(pool1, pool2, tiny_models, tmp_path):
+    """`megarl-convert lora-to-peft` turns a LoRA run checkpoint (saved at TP=2) into a PEFT
+    adapter that scores like the actor did at the save; a checkpoint without adapters is
+    refused."""
+    from peft import PeftModel
+    from test_lora import hf_log_probs
+    from transformers import AutoModelForCausalLM
+
+    from bridge.checks import ConversionError
+    from bridge.cli import EXIT_INPUT, main
+    from bridge.lora_to_peft import lora_to_peft
+
+    path = tiny_models["qwen3"]
+    _, _, saved_scores, _ = pool2.run(save_or_resume, path, ParallelSizes(tp=2),
+                                      tmp_path / "run", False)[0]
+    summary = lora_to_peft(tmp_path / "run", tmp_path / "peft", path,
+                           runner=lambda _, fn, *args: pool1.run(fn, *args))
+    assert summary["rank"] == RANK
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = PeftModel.from_pretrained(hf, str(tmp_path / "peft"))
+    with torch.no_grad():
+        for tokens, ref in zip(sequences(), saved_scores):
+            torch.testing.assert_close(hf_log_probs(model, tokens), ref, atol=1e-4, rtol=0)
+    pool2.run(save_plain, path, ParallelSizes(tp=2), tmp_path / "plain")
+    with pytest.raises(ConversionError, match="no LoRA adapters"):
+        lora_to_peft(tmp_path / "plain", tmp_path / "peft2", path)
+    assert main(["lora-to-peft", "--mcore", str(tmp_path / "plain"), "--hf", path,
+                 "--out", str(tmp_path / "peft2")]) == EXIT_INPUT
