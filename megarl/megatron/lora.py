@@ -146,13 +146,6 @@ class LoraAdapter(torch.nn.Module):
     def _shard_a(self, whole: torch.Tensor) -> torch.Tensor:
         return whole.chunk(self.tp_size, dim=1)[self.tp_rank] if self.kind == "row" else whole
 
-    def _layout(self, outs: list[torch.Tensor]) -> torch.Tensor:
-        """The parts' outputs (last dim) in the base layer's output layout."""
-        if not self.qkv_groups:
-            return torch.cat(outs, dim=-1)
-        lead = outs[0].shape[:-1]
-        grouped = [o.reshape(*lead, self.qkv_groups, -1) for o in outs]
-        return torch.cat(grouped, dim=-1).reshape(*lead, -1)
 
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0.0:
@@ -174,7 +167,7 @@ class LoraAdapter(torch.nn.Module):
                 z = copy_to_tensor_model_parallel_region(z, group=self.tp_group)
             zs = z.split(self.rank, dim=-1)
             outs = [F.linear(zp, bp) for zp, bp in zip(zs, self.lora_B)]
-            return self._layout(outs) * self.scale
+            return part_layout(outs, self.qkv_groups) * self.scale
         if self.sequence_parallel:
             z = reduce_scatter_to_sequence_parallel_region(z, group=self.tp_group)
         elif self.tp_size > 1:
@@ -184,11 +177,7 @@ class LoraAdapter(torch.nn.Module):
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """``scale * B @ A`` of this rank's shard of the base weight (fp32)."""
-        a, bs = self.lora_A.float(), [b.float() for b in self.lora_B]
-        if self.kind == "row":
-            return self.scale * (bs[0] @ a)
-        pieces = [(bp @ ap).T for ap, bp in zip(a.split(self.rank), bs)]
-        return self.scale * self._layout(pieces).T
+        return lora_delta(self.lora_A, list(self.lora_B), self.scale, self.qkv_groups)
 
     @torch.no_grad()
     def whole_parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -207,6 +196,26 @@ class LoraAdapter(torch.nn.Module):
         self.lora_A.copy_(self._shard_a(torch.cat([a for a, _ in parts])))
         for mine, (_, b) in zip(self.lora_B, parts):
             mine.copy_(b if self.kind == "row" else b.chunk(self.tp_size)[self.tp_rank])
+
+
+def part_layout(outs: list[torch.Tensor], qkv_groups: int) -> torch.Tensor:
+    """The parts' outputs (last dim) in the base layer's output layout: q, k, v interleaved per
+    query group as megatron's ``linear_qkv`` (``qkv_groups`` > 0), else one after the other."""
+    if not qkv_groups:
+        return torch.cat(outs, dim=-1)
+    lead = outs[0].shape[:-1]
+    grouped = [o.reshape(*lead, qkv_groups, -1) for o in outs]
+    return torch.cat(grouped, dim=-1).reshape(*lead, -1)
+
+
+def lora_delta(a: torch.Tensor, bs: list[torch.Tensor], scale: float,
+               qkv_groups: int = 0) -> torch.Tensor:
+    """``scale * B @ A`` in the base weight's layout (fp32) from the stacked A (``[parts * r,
+    in]``) and the parts' B (``[out_p, r]``) of one adapted layer (or shard of it)."""
+    a = a.detach().float()
+    rank = bs[0].shape[1]
+    pieces = [(b.detach().float() @ ap).T for ap, b in zip(a.split(rank), bs)]
+    return scale * part_layout(pieces, qkv_groups).T
 
 
 def _gather(shard: torch.Tensor, dim: int, group: Any) -> torch.Tensor:

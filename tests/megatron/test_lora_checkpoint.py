@@ -86,15 +86,29 @@ def test_adapters_resume_exactly_under_any_layout(pool1, pool2, tiny_models, tmp
         torch.testing.assert_close(mine, ref, atol=1e-5, rtol=0)
 
 
-def test_mcore_to_hf_refuses_a_checkpoint_with_adapters(pool2, tiny_models, tmp_path):
-    """megarl-convert cannot merge or export adapters yet: it says so instead of failing on the
-    first adapter tensor or dropping them."""
-    from bridge.checks import ConversionError
+def test_mcore_to_hf_merges_the_adapters(pool2, tiny_models, tmp_path):
+    """megarl-convert mcore-to-hf of a LoRA run checkpoint (saved at TP=2) writes the merged
+    weights ``W + alpha / r * B @ A``: the HF model scores like the actor at the save, and the
+    adapted weights differ from the base."""
+    from safetensors.torch import load_file
+    from test_lora import hf_log_probs
+    from transformers import AutoModelForCausalLM
+
     from bridge.mcore_to_hf import mcore_to_hf
 
-    pool2.run(save_or_resume, tiny_models["qwen3"], ParallelSizes(tp=2), tmp_path / "run", False)
-    with pytest.raises(ConversionError, match="holds LoRA adapters"):
-        mcore_to_hf(tmp_path / "run", tmp_path / "hf", hf_config=tiny_models["qwen3"])
+    path = tiny_models["qwen3"]
+    _, _, saved_scores, _ = pool2.run(save_or_resume, path, ParallelSizes(tp=2),
+                                      tmp_path / "run", False)[0]
+    mcore_to_hf(tmp_path / "run", tmp_path / "hf", hf_config=path)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        for tokens, ref in zip(sequences(), saved_scores):
+            torch.testing.assert_close(hf_log_probs(merged, tokens), ref, atol=1e-4, rtol=0)
+    base = load_file(f"{path}/model.safetensors")
+    out = {k: v for f in (tmp_path / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        assert (out[name] - base[name]).abs().max() > 1e-4, name
+    assert torch.equal(out["model.norm.weight"], base["model.norm.weight"])
 
 
 def save_plain(model_dir, sizes, root):
