@@ -426,3 +426,34 @@ def test_exported_peft_adapter_gives_the_trained_log_probs(pool2, tiny_models, b
             scored = hf_log_probs(model, s["tokens"])
             torch.testing.assert_close(scored, mine, atol=1e-4, rtol=0)
             assert (scored - base).abs().max() > 1e-3  # the adapters are in it
+
+
+def dropout_masks_on_rank(model_dir, sizes):
+    """Run on each rank: the training-mode outputs of a column-parallel adapter's input dropout
+    (q/k/v of layer 0) and a row-parallel one's (o_proj), for the same input on every rank."""
+    from megarl.megatron.lora import adapters, apply_lora
+    from megarl.megatron.model import build_actor_model
+    from megarl.megatron.settings import LoraSettings
+
+    model = build_actor_model(model_dir, sizes, torch.float32, spec="native")
+    apply_lora(model, LoraSettings(rank=RANK, alpha=ALPHA, dropout=0.5))
+    found = adapters(model)
+    x = torch.ones(6, 1, found["layers.0.self_attention.linear_qkv"].in_features)
+    out = {}
+    for name in ("layers.0.self_attention.linear_qkv", "layers.0.self_attention.linear_proj"):
+        adapter = found[name]
+        adapter.train()
+        out[name] = adapter._dropout(x[..., : adapter.lora_A.shape[1]])
+    return out
+
+
+def test_lora_dropout_masks_follow_the_sharding(pool2, tiny_models):
+    """TP=2 without sequence parallelism: a column-parallel adapter's input is whole on both
+    ranks and must get one mask (its A x feeds both ranks' B shards); a row-parallel adapter's
+    input is each rank's own columns, which take their own masks."""
+    results = pool2.run(dropout_masks_on_rank, tiny_models["qwen3"],
+                        ParallelSizes(tp=2, sequence_parallel=False))
+    column, row = "layers.0.self_attention.linear_qkv", "layers.0.self_attention.linear_proj"
+    assert torch.equal(results[0][column], results[1][column])
+    assert (results[0][column] == 0).any()
+    assert not torch.equal(results[0][row], results[1][row])
