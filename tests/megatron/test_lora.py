@@ -457,3 +457,40 @@ def test_lora_dropout_masks_follow_the_sharding(pool2, tiny_models):
     assert torch.equal(results[0][column], results[1][column])
     assert (results[0][column] == 0).any()
     assert not torch.equal(results[0][row], results[1][row])
+
+
+def worker_two_updates(model_dir, batch, offload: bool):
+    """Run on each rank: an ActorWorker with LoRA, driven as the colocated trainer drives it
+    when ``offload`` (param, grad and optimizer state offloaded after each phase): update,
+    offload, weight export, update, export; returns the last export."""
+    from megarl.megatron.offload import OffloadSettings
+    from megarl.megatron.optimizer import OptimizerSettings
+    from megarl.megatron.settings import LoraSettings
+    from megarl.megatron.update import LossSettings
+    from megarl.megatron.worker import ActorSpec, ActorWorker
+
+    spec = ActorSpec(
+        model_path=model_dir, dtype="float32", sizes=ParallelSizes(),
+        optim=OptimizerSettings(lr=1e-2, weight_decay=0.0, use_distributed_optimizer=False),
+        loss=LossSettings(), with_ref=False, temperature=1.0, max_tokens_per_micro_batch=32,
+        seed=1, lora=LoraSettings(rank=RANK, alpha=ALPHA, seed=1),
+        offload=OffloadSettings(True, True, True) if offload else OffloadSettings())
+    worker = ActorWorker(spec)
+    mini_batch = [{key: s[key].tolist() for key in ("tokens", "loss_mask", "old_log_probs",
+                                                    "advantages")} for s in batch]
+    for _ in range(2):
+        worker.update([mini_batch])
+        worker.offload()
+        exported = worker.hf_state_dict()
+        worker.offload()
+    return exported, sorted(worker.offloader.offloaded)
+
+
+def test_lora_worker_offloads_and_reloads_its_state(pool1, tiny_models, batch):
+    """Offloading the frozen base, the adapters' grads and their Adam state between phases
+    changes nothing: two updates with offload export what two without it do."""
+    plain, _ = pool1.run(worker_two_updates, tiny_models["qwen3"], batch, False)[0]
+    offloaded, parts = pool1.run(worker_two_updates, tiny_models["qwen3"], batch, True)[0]
+    assert parts == ["grad", "optimizer", "param"]
+    for name, value in plain.items():
+        assert torch.equal(offloaded[name], value), name
