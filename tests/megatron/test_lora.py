@@ -494,3 +494,43 @@ def test_lora_worker_offloads_and_reloads_its_state(pool1, tiny_models, batch):
     assert parts == ["grad", "optimizer", "param"]
     for name, value in plain.items():
         assert torch.equal(offloaded[name], value), name
+
+
+def r2_with_lora_on_rank(model_dir, batch, replay: bool):
+    """Run on each rank (qwen3_moe, EP=2, routers that record and replay; attention adapters):
+    routes recorded in the old-log-prob forward, then two mini-batch updates (the second after
+    a large step) replaying them when ``replay``; the recorded and the used routes."""
+    import dataclasses
+
+    from megarl.megatron.optimizer import OptimizerSettings
+    from megarl.megatron.settings import LoraSettings
+    from megarl.megatron.update import LossSettings
+    from megarl.megatron.worker import ActorSpec, ActorWorker
+
+    spec = ActorSpec(
+        model_path=model_dir, dtype="float32", sizes=ParallelSizes(ep=2),
+        optim=OptimizerSettings(lr=0.5, weight_decay=0.0, use_distributed_optimizer=False),
+        loss=LossSettings(), with_ref=False, temperature=1.0, max_tokens_per_micro_batch=96,
+        seed=1, router_replay=True, lora=LoraSettings(rank=RANK, alpha=ALPHA, seed=1))
+    worker = ActorWorker(spec)
+    tokens = [s["tokens"].tolist() for s in batch]
+    old = worker.compute_log_probs(tokens, record_routes=True)
+    records = [{"tokens": s["tokens"].tolist(), "loss_mask": s["loss_mask"].tolist(),
+                "old_log_probs": lp, "advantages": s["advantages"].tolist()}
+               for s, lp in zip(batch, old["log_probs"])]
+    if replay:
+        records = [dict(r, routes=routes) for r, routes in zip(records, old["routes"])]
+    worker.spec = dataclasses.replace(worker.spec, max_tokens_per_micro_batch=16)
+    _, used = worker.update_recording_routes([records[:2], records[2:]])
+    return old["routes"], used[0] + used[1]
+
+
+def test_router_replay_r2_with_lora(pool2, tiny_models):
+    """R2 works unchanged with adapters: the update replays exactly the routes recorded in the
+    old-log-prob forward, which the large first step would otherwise change."""
+    moe_batch = make_batch(tiny_models["qwen3_moe"])
+    for replay in (True, False):
+        old, used = pool2.run(r2_with_lora_on_rank, tiny_models["qwen3_moe"], moe_batch,
+                              replay)[0]
+        same = all(torch.equal(o.long(), u.long()) for o, u in zip(old, used))
+        assert same == replay, f"replay={replay}"
