@@ -66,15 +66,11 @@ def selection_problems(moe_layers: Sequence[bool], shared_experts: bool,
     problems = [f"target_modules: {t} selects no layer of this model" for t in targets
                 if not lora_layer_names(moe_layers, shared_experts, [t])]
     problems += [f"exclude_modules: {p!r} matches no targeted layer (names look like "
-                 f"{names[0]!r})" for p in excludes if names and not is_excluded_any(names, p)]
+                 f"{names[0]!r})" for p in excludes
+                 if names and not any(is_excluded(n, [p]) for n in names)]
     if names and all(is_excluded(n, excludes) for n in names):
         problems.append("exclude_modules: every targeted layer is excluded")
     return problems
-
-
-def is_excluded_any(names: Sequence[str], pattern: str) -> bool:
-    """Whether ``pattern`` matches one of ``names``."""
-    return any(fnmatch.fnmatchcase(n, pattern) for n in names)
 
 
 def adapter_params(name: str, rank: int, sizes: dict[str, int], tp: int) -> int:

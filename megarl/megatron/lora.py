@@ -146,7 +146,6 @@ class LoraAdapter(torch.nn.Module):
     def _shard_a(self, whole: torch.Tensor) -> torch.Tensor:
         return whole.chunk(self.tp_size, dim=1)[self.tp_rank] if self.kind == "row" else whole
 
-
     def _dropout(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.dropout == 0.0:
             return x
