@@ -205,6 +205,7 @@ LAYOUTS = [
     (ParallelSizes(tp=2), {"budget": 16}),  # sequence parallel
     (ParallelSizes(tp=2, sequence_parallel=False), {}),
     (ParallelSizes(pp=2), {"budget": 16}),
+    (ParallelSizes(cp=2), {}),
 ]
 
 
