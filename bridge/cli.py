@@ -68,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="output dtype (default: the checkpoint's)")
     to_hf.add_argument("--max-shard-size", type=parse_size, default="5GB",
                        help="largest output file, e.g. 5GB (default) or 500MB")
+    peft = sub.add_parser("lora-to-peft", help="a LoRA run checkpoint's adapters -> PEFT adapter")
+    peft.add_argument("--mcore", required=True,
+                      help="run checkpoint (a step directory, or a root: its latest)")
+    peft.add_argument("--hf", required=True, help="HF model directory the run trained on")
+    peft.add_argument("--out", required=True, help="new PEFT adapter directory")
     check = sub.add_parser("verify", help="Megatron vs HF transformers log-probs on fixed prompts")
     check.add_argument("--hf", required=True, help="HF model directory (the reference)")
     check.add_argument("--mcore", help="dist checkpoint to load instead of the HF weights")
@@ -93,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
     """Dispatch one subcommand; returns the exit code."""
     import torch
 
-    dtype = DTYPE_CHOICES.get(args.dtype) if args.dtype else None
+    dtype = DTYPE_CHOICES.get(args.dtype) if getattr(args, "dtype", None) else None
     if args.command == "hf-to-mcore":
         from bridge.hf_to_mcore import hf_to_mcore
 
@@ -114,6 +119,13 @@ def _run(args: argparse.Namespace) -> int:
         print(f"wrote {s['out']}: {s['tensors']} tensors in {s['files']} files, "
               f"{_gb(s['bytes'])} in {s['seconds']:.1f} s "
               f"({s['bytes'] / 1e9 / s['seconds']:.3f} GB/s) from {s['checkpoint']}")
+        return EXIT_OK
+    if args.command == "lora-to-peft":
+        from bridge.lora_to_peft import lora_to_peft
+
+        s = lora_to_peft(args.mcore, args.out, args.hf)
+        print(f"wrote {s['out']}: rank-{s['rank']} LoRA adapters of {s['checkpoint']} "
+              "(load with peft.PeftModel.from_pretrained)")
         return EXIT_OK
     from bridge.verify import verify
 

@@ -1,7 +1,7 @@
 """Megatron dist checkpoint -> HF safetensors, one process, one tensor at a time.
 
 The checkpoint may come from ``hf-to-mcore`` or from training (any layout; optimizer state and
-other entries are skipped). Nothing is built on ranks: the checkpoint's ``.metadata`` says which
+other entries are skipped; LoRA adapters are merged into their weights, :class:`LoraMerge`). Nothing is built on ranks: the checkpoint's ``.metadata`` says which
 model tensors exist and their global shapes, megatron's layout of a key is fixed (a leading
 layer axis for ``decoder.layers.*`` keys without a layer number, then an expert axis for
 ``*.experts.experts.*`` keys), and mbridge's per-family mapping turns each megatron parameter of
@@ -35,7 +35,12 @@ from bridge.checks import (
     staged_output,
 )
 from bridge.dist_reader import CheckpointTensors, StoredTensor
-from bridge.mcore_checkpoint import HF_SUBDIR, check_training_manifest, find_model_checkpoint
+from bridge.mcore_checkpoint import (
+    HF_SUBDIR,
+    TRAINING_MANIFEST,
+    check_training_manifest,
+    find_model_checkpoint,
+)
 from bridge.safetensors_writer import (
     SafetensorsFile,
     TensorSpec,
@@ -129,7 +134,7 @@ def plan_export(reader: CheckpointTensors, bridge: Any, config_dir: Path, config
     """Every parameter to export, in output order, with its HF tensors (``dtype`` None keeps
     each tensor's stored dtype). Raises a one-line error where the config does not fit."""
     stored = [t for t in reader.tensors() if t.key.startswith(MODEL_KEY_PREFIXES)
-              and not t.key.endswith("_extra_state")]
+              and not t.key.endswith("_extra_state") and ".lora." not in t.key]
     if not stored:
         raise ConversionError(f"{reader.directory}: the checkpoint holds no model tensors "
                               "(embedding.*, decoder.*, output_layer.*)")
@@ -219,9 +224,51 @@ def _export_config(config: dict, dtype: torch.dtype | None) -> dict:
     return config
 
 
+class LoraMerge:
+    """The LoRA adapters a training checkpoint holds next to its base weights: each adapted
+    weight is exported as ``W + alpha / rank * B @ A`` (in the stored layout, before the
+    bridge splits fused q/k/v and gate/up)."""
+
+    def __init__(self, reader: CheckpointTensors, config: dict[str, Any]) -> None:
+        keys = {t.key: t for t in reader.tensors() if ".lora." in t.key}
+        manifest = reader.directory / TRAINING_MANIFEST
+        lora = json.loads(manifest.read_text()).get("lora") if manifest.is_file() else None
+        if keys and not lora:
+            raise ConversionError(f"{reader.directory}: LoRA adapters without the actor.lora "
+                                  f"settings in {TRAINING_MANIFEST}; save the checkpoint again")
+        self.reader, self.keys = reader, keys
+        self.scale = lora["alpha"] / lora["rank"] if lora else 0.0
+        self.kv_groups = int(config.get("num_key_value_heads")
+                             or config.get("num_attention_heads", 0))
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def merged(self, unit: ExportUnit, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (the unit's stored weight) with its adapters merged, if it has any."""
+        from megarl.megatron.lora import lora_delta
+
+        base = unit.key.removesuffix("weight")
+        if not unit.key.endswith(".weight") or f"{base}lora.lora_A" not in self.keys:
+            return tensor
+        parts = sorted(k for k in self.keys if k.startswith(f"{base}lora.lora_B."))
+        a, *bs = (self._read(k, unit.index) for k in (f"{base}lora.lora_A", *parts))
+        groups = self.kv_groups if base.endswith("linear_qkv.") else 0
+        return (tensor.float() + lora_delta(a, bs, self.scale, groups)).to(tensor.dtype)
+
+    def _read(self, key: str, index: tuple[int, ...]) -> torch.Tensor:
+        shape = self.keys[key].shape
+        lead = len(index)
+        stored = self.reader.read(key, index + (0,) * (len(shape) - lead),
+                                  (1,) * lead + shape[lead:])
+        return stored.reshape(shape[lead:])
+
+
 def write_hf_weights(reader: CheckpointTensors, bridge: Any, units: list[ExportUnit],
-                     stage: Path, max_shard_bytes: int, vocab_size: int) -> dict[str, Any]:
-    """Stream every unit into sharded safetensors files plus the index; returns the counts."""
+                     stage: Path, max_shard_bytes: int, vocab_size: int,
+                     lora: LoraMerge | None = None) -> dict[str, Any]:
+    """Stream every unit into sharded safetensors files plus the index (adapted weights merged
+    with ``lora``'s adapters); returns the counts."""
     files = assign_files([list(u.outputs) for u in units], max_shard_bytes)
     count = files[-1] + 1
     total = sum(s.nbytes for u in units for s in u.outputs)
@@ -236,6 +283,8 @@ def write_hf_weights(reader: CheckpointTensors, bridge: Any, units: list[ExportU
             for unit in members:
                 stored = reader.read(unit.key, *_box(unit))
                 tensor = stored.reshape(stored.shape[len(unit.index):])
+                if lora:
+                    tensor = lora.merged(unit, tensor)
                 converted = _kept(to_hf(bridge, unit.mcore_name, tensor, vocab_size),
                                   unit.outputs)
                 for spec, (hf_name, hf_tensor) in zip(unit.outputs, converted):
@@ -274,9 +323,10 @@ def mcore_to_hf(mcore: str | Path, out: str | Path, hf_config: str | Path | None
     reader = CheckpointTensors(checkpoint)
     bridge = reading_bridge(config_dir)
     units = plan_export(reader, bridge, config_dir, config, dtype)
+    lora = LoraMerge(reader, config)
     with staged_output(out) as stage:
         summary = write_hf_weights(reader, bridge, units, stage, max_shard_bytes,
-                                   config["vocab_size"])
+                                   config["vocab_size"], lora)
         (stage / "config.json").write_text(json.dumps(_export_config(config, dtype), indent=2)
                                            + "\n")
         copy_model_files(config_dir, stage)

@@ -17,6 +17,9 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   optimizer = params x (8 for the Adam moments + 4 for the fp32 master copy, none when the model
   is float32) / shards, where shards = the data-parallel ranks that share the parameter
   (dp x cp, expert-dp for experts) with the distributed optimizer, and 1 without it.
+* LoRA (``actor.lora.rank`` r > 0): the adapters add r x (in + out) parameters per HF projection
+  they cover (B's rows split over tp for column-parallel layers, A's columns for row-parallel
+  ones), held in model.dtype like the weights; grads and optimizer state are theirs alone.
 * Activations kept for backward, per token and layer, in units of bytes(model.dtype) (flash
   attention keeps no s^2 scores; RL runs without dropout):
   attention 2h/s + (q + k + v + attention-output widths)/t (MLA: + the replicated q/kv latents);
@@ -31,9 +34,9 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   (pp x vpp)) when interleaved. Log-probs on the last stage come straight from the hidden
   states, a chunk of rows at a time (:data:`LOG_PROB_CHUNK_ELEMENTS` fp32 logits,
   ``megarl.megatron.output_log_probs``): a chunk's logits in bytes(model.dtype) + its fp32 copy
-  and softmax, the output weight's gradient in fp32 + bytes(model.dtype) (padded vocab / t x h),
-  and the gathered hidden states with their gradient (tokens x h x 2 bytes(model.dtype)). CUDA-
-  graphed updates (``actor.cuda_graphs``) keep whole logits: tokens x padded vocab / t x
+  and softmax, the output weight's gradient in fp32 + bytes(model.dtype) (padded vocab / t x h;
+  none with LoRA, which freezes it), and the gathered hidden states with their gradient
+  (tokens x h x 2 bytes(model.dtype)). CUDA-graphed updates (``actor.cuda_graphs``) keep whole logits: tokens x padded vocab / t x
   (bytes(model.dtype) + 4 for the fp32 softmax the log-prob backward keeps).
 * Roles idle on the same GPUs (reference: weights; critic: state, counted with the actor's
   architecture) keep what they do not offload. ``offload.*`` moves weights, grads or optimizer
@@ -53,6 +56,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from megarl.config.derived import DerivedSizes, RoleLayout, is_whole
+from megarl.config.lora_layers import (
+    adapter_params,
+    is_excluded,
+    lora_layer_names,
+    resolve_targets,
+)
 from megarl.config.model_info import DTYPE_BYTES, ModelInfo
 from megarl.config.problems import Context, Problem, warning
 from megarl.config.schema import OffloadConfig, ParallelConfig, RunConfig
@@ -200,16 +209,42 @@ def _shards(value: float | None) -> float:
 
 
 def train_state(dense: int, expert: int, layout: RoleLayout, dtype: str,
-                distributed_optimizer: bool) -> TrainState:
-    """Weights, fp32 grads and Adam state of ``dense`` + ``expert`` parameters on one GPU."""
+                distributed_optimizer: bool, adapters: int | None = None) -> TrainState:
+    """Weights, fp32 grads and Adam state of ``dense`` + ``expert`` parameters on one GPU; with
+    LoRA ``adapters`` (counted as non-expert parameters) the only ones with grads and state."""
     per_param = ADAM_MOMENT_BYTES + (0 if dtype == "float32" else MASTER_BYTES)
     dense_shards = _shards(layout.dp) * layout.cp if distributed_optimizer else 1.0
     expert_shards = _shards(layout.expert_dp) if distributed_optimizer else 1.0
+    if adapters is not None:
+        return TrainState(
+            dense_params=dense + adapters, expert_params=expert,
+            weights=(dense + expert + adapters) * DTYPE_BYTES[dtype],
+            grads=adapters * GRAD_BYTES,
+            optimizer=math.ceil(per_param * adapters / dense_shards))
     params = dense + expert
     return TrainState(
         dense_params=dense, expert_params=expert,
         weights=params * DTYPE_BYTES[dtype], grads=params * GRAD_BYTES,
         optimizer=math.ceil(per_param * (dense / dense_shards + expert / expert_shards)))
+
+
+def stage_adapter_params(cfg: RunConfig, model: ModelInfo, stage: int) -> int | None:
+    """The actor's LoRA adapter parameters on one GPU of pipeline ``stage`` (None without
+    LoRA)."""
+    lora, p = cfg.actor.lora, cfg.actor.parallel
+    if lora.rank == 0 or model.is_mla:
+        return None
+    moe_layers = [model.is_moe and i not in model.dense_layers for i in range(model.num_layers)]
+    shared = model.shared_expert_ffn_hidden_size > 0
+    targets = [t for t in resolve_targets(moe_layers, shared, lora.target_modules)
+               if not t.startswith("experts.")]
+    widths = {"hidden": model.hidden_size, "q": model.num_attention_heads * model.head_dim,
+              "kv": model.num_kv_heads * model.head_dim, "ffn": model.ffn_hidden_size,
+              "shared_ffn": model.shared_expert_ffn_hidden_size}
+    layers = stage_layers(model.num_layers, p.pp, stage)
+    return sum(adapter_params(name, lora.rank, widths, p.tp)
+               for name in lora_layer_names(moe_layers, shared, targets)
+               if int(name.split(".")[1]) in layers and not is_excluded(name, lora.exclude_modules))
 
 
 def role_state(cfg: RunConfig, model: ModelInfo, layout: RoleLayout, parallel: ParallelConfig,
@@ -313,7 +348,8 @@ def log_prob_bytes(cfg: RunConfig, model: ModelInfo, tokens: int, vocab: int,
     if cfg.actor.cuda_graphs:  # the graphs hold the whole micro-batch's logits
         return tokens * local_vocab * (nbytes + FP32_BYTES)
     chunk = min(tokens * local_vocab, LOG_PROB_CHUNK_ELEMENTS)
-    weight_grad = local_vocab * model.hidden_size * (FP32_BYTES + nbytes)
+    trained = cfg.actor.lora.rank == 0  # LoRA freezes the output layer: no weight gradient
+    weight_grad = local_vocab * model.hidden_size * (FP32_BYTES + nbytes) if trained else 0
     hidden = 2 * tokens * model.hidden_size * nbytes
     return chunk * (nbytes + 2 * FP32_BYTES) + weight_grad + hidden
 
@@ -326,7 +362,8 @@ def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: 
     candidates = []
     for stage in range(p.pp):
         state = train_state(*stage_params(model, p, stage, vocab), sizes.actor, cfg.model.dtype,
-                            cfg.actor.use_distributed_optimizer)
+                            cfg.actor.use_distributed_optimizer,
+                            stage_adapter_params(cfg, model, stage))
         flight = micro_batches_in_flight(p, stage, sizes.micro_batches_per_mini_batch)
         per_token = stage_activation_bytes(model, p, cfg.actor.recompute, stage, nbytes)
         logits = (log_prob_bytes(cfg, model, tokens, vocab, nbytes)

@@ -44,4 +44,8 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
      and c.algorithm.rollout_correction.bypass_mode,
      ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "
       "actor.router_replay.mode=R3 or algorithm.rollout_correction.bypass_mode=false")),
+    ("actor.lora.target_modules", lambda c: c.actor.lora.rank > 0 and any(
+        t.startswith("experts.") for t in c.actor.lora.target_modules or ()),
+     ("LoRA on the routed experts (grouped expert GEMMs under EP/expert-TP) is not built; "
+      "remove experts.linear_fc1/experts.linear_fc2 from actor.lora.target_modules")),
 )

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
+from megarl.config.lora_layers import LoraTarget
 from megarl.config.schema_common import Dtype, OffloadConfig, OptimConfig, ParallelConfig, Section
 
 LossAggMode = Literal[
@@ -123,6 +124,32 @@ class RouterReplayConfig(Section):
         "old-log-prob forward itself)"))
 
 
+class LoraConfig(Section):
+    """LoRA: train low-rank adapters on the actor's linear layers, the base model frozen."""
+
+    rank: int = Field(0, ge=0, description=(
+        "adapter rank r; 0 = off (full fine-tuning). With r > 0 the base weights stay frozen in "
+        "`model.dtype` (no gradients, no optimizer state) and only the adapters train, under "
+        "megatron's optimizer with fp32 master copies; the weight sync sends the merged weights "
+        "W + alpha/r * B A under the HF names. The actor runs megarl's native layer spec"))
+    alpha: float = Field(16.0, gt=0, description=(
+        "the adapters' output is scaled by alpha / rank (PEFT's lora_alpha)"))
+    dropout: float = Field(0.0, ge=0, lt=1, description=(
+        "dropout on the adapters' input in the update's forwards (PEFT's lora_dropout); the "
+        "log-prob forwards run without it"))
+    target_modules: list[LoraTarget] | None = Field(None, min_length=1, description=(
+        "megatron's linear layers that get adapters: linear_qkv (one adapter each for q, k and "
+        "v, as PEFT's q_proj/k_proj/v_proj), linear_proj (o_proj), linear_fc1 (gate_proj and "
+        "up_proj) and linear_fc2 (down_proj) of the dense MLPs, "
+        "shared_experts.linear_fc1/linear_fc2 of the MoE layers' shared expert, "
+        "experts.linear_fc1/linear_fc2 of the routed experts (not built yet); each must select "
+        "a layer of the model. null = every one of them the model has but the routed experts'"))
+    exclude_modules: list[str] = Field(default_factory=list, description=(
+        "targeted layers left without adapters: fnmatch patterns over layers.{i}.{path} with "
+        "the global layer index i, e.g. layers.0.self_attention.linear_qkv, layers.1.*, "
+        "*.linear_proj; each must match a targeted layer"))
+
+
 class ActorConfig(Section):
     """The policy being trained: batch split, PPO loss, optimizer and Megatron layout."""
 
@@ -178,6 +205,8 @@ class ActorConfig(Section):
         "reference model only runs forwards without gradients)"))
     router_replay: RouterReplayConfig = Field(default_factory=RouterReplayConfig, description=(
         "MoE router replay"))
+    lora: LoraConfig = Field(default_factory=LoraConfig, description=(
+        "LoRA adapters instead of full fine-tuning"))
     cuda_graphs: bool = Field(False, description=(
         "replay each training micro-batch's forward and backward from CUDA graphs captured per "
         "token bucket (GPU; needs parallel.pp=1, no router replay, no dropout); pays when the "

@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+from megarl.config.lora_layers import resolve_targets, selection_problems
 from megarl.config.not_built import NOT_BUILT
 from megarl.config.problems import Context, Problem, error, warning
 from megarl.config.schema import RunConfig
@@ -227,6 +228,35 @@ def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
                       "update runs eagerly on the CPU", "set actor.cuda_graphs=false")
 
 
+def check_lora(ctx: Context) -> Iterator[Problem]:
+    """LoRA adapters must select layers of the model, and what they cannot run with is refused:
+    CUDA graphs (the graphed update does not cover the adapters), multi-latent attention (no
+    linear_qkv; its adapters are not built)."""
+    cfg = ctx.cfg
+    lora = cfg.actor.lora
+    if lora.rank == 0:
+        return
+    if cfg.actor.cuda_graphs:
+        yield error(("actor.lora.rank", "actor.cuda_graphs"), "megarl's CUDA-graphed update "
+                    "captures the full-weight layers; its graphs do not run the adapters",
+                    "set actor.cuda_graphs=false or actor.lora.rank=0")
+    model = ctx.model
+    if model is None:
+        return
+    if model.kv_lora_rank:
+        yield error(("actor.lora.rank", "model.path"), f"{model.model_type} uses multi-latent "
+                    "attention, whose projections have no LoRA adapters yet (not built)",
+                    "set actor.lora.rank=0")
+        return
+    moe_layers = [model.is_moe and i not in model.dense_layers for i in range(model.num_layers)]
+    shared = model.shared_expert_ffn_hidden_size > 0
+    targets = resolve_targets(moe_layers, shared, lora.target_modules)
+    for problem in selection_problems(moe_layers, shared, targets, lora.exclude_modules):
+        field, _, message = problem.partition(": ")
+        yield error(f"actor.lora.{field}", message, "choose targets and patterns that name "
+                    "this model's layers (layers.{i}.{path}; see `megarl config show`)")
+
+
 def check_training_safety(ctx: Context) -> Iterator[Problem]:
     """Gradient clipping off invites the NaN-after-some-steps failure (T5)."""
     if ctx.cfg.actor.grad_clip == 0:
@@ -348,6 +378,7 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
         ("trainer.wandb_proxy", "wandb" not in cfg.trainer.loggers, "add wandb to trainer.loggers"),
         ("ref", not cfg.ref.enabled, "set actor.use_kl_loss=true or ref.enabled=true"),
         ("critic", not cfg.critic.enabled, "set algorithm.adv_estimator=gae"),
+        ("actor.lora", cfg.actor.lora.rank == 0, "set actor.lora.rank > 0"),
         ("rollout.multi_turn", not cfg.rollout.multi_turn.enable,
          "set rollout.multi_turn.enable=true"),
     ]
@@ -359,7 +390,7 @@ def check_settings_without_effect(ctx: Context) -> Iterator[Problem]:
     for setting, ignored, enable in _ignored_settings(ctx.cfg):
         hits = tuple(p for p in user_set if (p == setting or p.startswith(setting + "."))
                      and p not in ("ref.enabled", "critic.enabled",
-                                   "rollout.multi_turn.enable"))
+                                   "rollout.multi_turn.enable", "actor.lora.rank"))
         if ignored and hits:
             yield warning(hits, "set but has no effect in this configuration",
                           f"{enable} to use it, or remove it")

@@ -31,6 +31,7 @@ holds (fingerprint, layout, sharded state) is built in :mod:`megarl.megatron.che
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -243,6 +244,8 @@ def start_save(
         "model": model_fingerprint(model.hf_config),
         "layout": current_layout(),
         "has_optimizer": with_optimizer,
+        # what built the adapters, for exporting them (megarl-convert lora-to-peft)
+        "lora": None if model.lora is None else dataclasses.asdict(model.lora),
     }
     request.add_finalize_fn(functools.partial(_finalize_publication, tmp, final, manifest,
                                               keep_last))
@@ -459,11 +462,33 @@ def load_model_weights(path: str | Path, model: ActorModel) -> Path:
         saved = read_manifest(path)["model"]
     check_same_model(saved, model.hf_config, path)
     request = sharded_model_state(model)
+    fresh = _adapters_to_keep(request, path)
     loaded = dist_checkpointing.load(request, str(path))
     modules = chunk_modules(model)
     for i, module in enumerate(modules):
-        module.load_state_dict(loaded["model" if len(modules) == 1 else f"model{i}"])
+        missing, unexpected = module.load_state_dict(
+            loaded["model" if len(modules) == 1 else f"model{i}"], strict=False)
+        if set(missing) - fresh or unexpected:
+            raise RuntimeError(f"{path}: loading the model weights left {sorted(missing)} "
+                               f"unset and {sorted(unexpected)} unused")
     return path
+
+
+def _adapters_to_keep(request: dict[str, Any], path: Path) -> set[str]:
+    """LoRA adapters (``.lora.`` names) of the model that the checkpoint lacks: dropped from
+    ``request``, so they keep their initial values (LoRA on a full-weight checkpoint). The
+    checkpoint's adapters that the model lacks would be lost: refused."""
+    stored = set(dist_checkpointing.load_tensors_metadata(str(path)))
+    keep = set()
+    for part in request.values():
+        for name in [n for n, t in part.items() if ".lora." in n and t.key not in stored]:
+            del part[name]
+            keep.add(name)
+    wanted = any(".lora." in n for part in request.values() for n in part)
+    if not wanted and not keep and any(".lora." in k for k in stored):
+        raise ValueError(f"{path}: the checkpoint holds LoRA adapters, the model none; set "
+                         "actor.lora as in the run that wrote it to start from base and adapters")
+    return keep
 
 
 def _has_state(actor: TrainableActor) -> bool:

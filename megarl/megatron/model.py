@@ -60,6 +60,9 @@ class ActorModel:
     """The HF config the model was built from."""
     spec: Literal["te", "native"]
     """Which layer spec built the chunks."""
+    lora: Any = None
+    """The ``LoraSettings`` of the chunks' LoRA adapters (``megatron.lora.apply_lora``); None
+    without adapters."""
 
     @property
     def config(self) -> TransformerConfig:

@@ -145,10 +145,14 @@ class NormColumnParallelLinear(ColumnParallelLinear):
         self.eps = config.layernorm_epsilon
         _norm_params(self, config, input_size, prefix="layer_norm_")
 
+    def normalize(self, input_: torch.Tensor) -> torch.Tensor:
+        """The fused norm alone (what the linear sees)."""
+        return _normalize(input_, self.layer_norm_weight, self.layer_norm_bias, self.eps,
+                          self.config)
+
     def forward(self, input_: torch.Tensor, *args: Any, **kwargs: Any):
         """Normalise, then apply the column-parallel linear; returns (output, bias)."""
-        x = _normalize(input_, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.config)
-        return super().forward(x, *args, **kwargs)
+        return super().forward(self.normalize(input_), *args, **kwargs)
 
 
 class SDPAttention(MegatronModule):

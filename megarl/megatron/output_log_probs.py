@@ -118,15 +118,19 @@ class _OutputLogProbs(torch.autograd.Function):
         hidden, weight, log_z, entropy, local_index, in_shard = ctx.saved_tensors
         valid_cols, temperature = ctx.valid_cols, ctx.temperature
         w = weight[:valid_cols]
+        want_w = ctx.needs_input_grad[1]  # a frozen output layer (LoRA) needs none
         grad_hidden = torch.zeros_like(hidden)
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
         for start, end in _row_chunks(hidden.shape[0], valid_cols) if valid_cols > 0 else []:
             rows = slice(start, end)
             z = hidden[rows] @ w.t()
             grad_z = logits_grad(z, rows, log_z, entropy, local_index, in_shard, grad_log_probs,
                                  grad_entropy, temperature).to(hidden.dtype)
             grad_hidden[rows] = grad_z @ w
-            grad_w += (grad_z.t() @ hidden[rows]).float()
-        grad_weight = torch.zeros_like(weight)
-        grad_weight[:valid_cols] = grad_w.to(weight.dtype)
+            if want_w:
+                grad_w += (grad_z.t() @ hidden[rows]).float()
+        grad_weight = None
+        if want_w:
+            grad_weight = torch.zeros_like(weight)
+            grad_weight[:valid_cols] = grad_w.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None, None, None

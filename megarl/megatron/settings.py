@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 import torch
 
+from megarl.config.lora_layers import LORA_TARGETS
 from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.parallel import ParallelSizes
 
@@ -46,6 +47,44 @@ class OptimizerSettings:
                 "optimizer='sgd' with use_distributed_optimizer=True: megatron shards Adam "
                 "states only; set use_distributed_optimizer=False"
             )
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """LoRA adapters on the actor's linear layers (field names follow ``actor.lora``)."""
+
+    rank: int = 0
+    """Adapter rank r; 0 = no adapters (full fine-tuning)."""
+    alpha: float = 16.0
+    """The adapter's output is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input while training."""
+    target_modules: tuple[str, ...] | None = None
+    """Which linear layers get adapters (:data:`LORA_TARGETS`); None = those of
+    :data:`~megarl.config.lora_layers.DEFAULT_TARGETS` the model has."""
+    exclude_modules: tuple[str, ...] = ()
+    """fnmatch patterns over ``layers.{i}.{path}`` (global layer index ``i``, e.g.
+    ``layers.0.self_attention.linear_qkv``, ``layers.1.*``) of targeted layers left without."""
+    seed: int = 1234
+    """Seed of the adapters' initial A matrices (the same on every layout)."""
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.target_modules or ()) - set(LORA_TARGETS))
+        if unknown:
+            raise ValueError(f"LoRA target_modules {unknown} unknown; choose from "
+                             f"{', '.join(LORA_TARGETS)}")
+        if self.rank < 0 or self.target_modules == ():
+            raise ValueError("LoRA needs rank >= 0 and target_modules None or not empty")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether adapters are trained instead of the full weights."""
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: the factor on ``B @ A``."""
+        return self.alpha / self.rank
 
 
 @dataclass(frozen=True)
@@ -154,6 +193,9 @@ class ActorSpec:
     runs forwards without gradients and keeps no activations to recompute."""
     trust_remote_code: bool = False
     """Let the HF config load custom code shipped with the model (``model.trust_remote_code``)."""
+    lora: LoraSettings = field(default_factory=LoraSettings)
+    """LoRA adapters trained instead of the full weights (``actor.lora``; rank 0 = none): the
+    actor is built with the native spec, frozen, given adapters, and syncs merged weights."""
 
 
 @dataclass(frozen=True)

@@ -32,13 +32,14 @@ from megarl.megatron.checkpoint import (
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.hf_export import export_hf_weights
 from megarl.megatron.logprobs import compute_log_probs
+from megarl.megatron.lora import apply_lora, export_merged_weights
 from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
 from megarl.megatron.offload import PARTS, StateOffloader
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.router_replay import ROUTER_REPLAY_OVERRIDES, RouteRecording
 from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
-from megarl.megatron.settings import DTYPES, ActorSpec
+from megarl.megatron.settings import DTYPES, ActorSpec, LoraSettings
 from megarl.megatron.update import TrainSequence, train_step
 from megarl.memory import Peaks, free_cached_memory, phase_memory
 from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
@@ -77,7 +78,8 @@ class ActorWorker(Worker):
         self.spec = spec
         dtype = DTYPES[spec.dtype]
         model = self._build_model(dtype, router_replay=spec.router_replay,
-                                  recompute=spec.recompute)
+                                  recompute=spec.recompute,
+                                  lora=spec.lora if spec.lora.enabled else None)
         self.actor = TrainableActor(model, spec.optim)
         self.graphed = self._graphed_chunk() if spec.cuda_graphs else None
         self.ref: ActorModel | None = None
@@ -145,17 +147,22 @@ class ActorWorker(Worker):
         return {"peaks": peaks, "seconds": seconds}
 
     def _build_model(self, dtype: torch.dtype, router_replay: bool = False,
-                     recompute: RecomputeSettings | None = None) -> ActorModel:
+                     recompute: RecomputeSettings | None = None,
+                     lora: LoraSettings | None = None) -> ActorModel:
         """This rank's model chunks with the first weights (HF safetensors or dist checkpoint);
         with ``router_replay``, routers that can record and replay routes; with ``recompute``,
-        activation recomputation."""
+        activation recomputation; with ``lora``, LoRA adapters (native spec), which a dist
+        checkpoint that holds adapters sets too."""
         spec = self.spec
         overrides = dict(ROUTER_REPLAY_OVERRIDES) if router_replay else {}
         overrides.update(recompute.config_overrides() if recompute is not None else {})
         model = build_actor_model(spec.model_path, spec.sizes, dtype, seed=spec.seed,
                                   load_weights=spec.init_checkpoint is None,
                                   config_overrides=overrides,
-                                  trust_remote_code=spec.trust_remote_code)
+                                  trust_remote_code=spec.trust_remote_code,
+                                  spec="native" if lora else "auto")
+        if lora is not None:
+            apply_lora(model, lora)
         if spec.init_checkpoint is not None:
             load_model_weights(spec.init_checkpoint, model)
         return model
@@ -304,7 +311,11 @@ class ActorWorker(Worker):
         """HF-named tensors of the actor (parameters brought back first if offloaded)."""
         with self._phase("sync_weights"):
             self._move(self.offloader, "reload", ["param"])
-            yield from export_hf_weights(self.actor.model)
+            model = self.actor.model
+            if self.spec.lora.enabled:  # W + scale * B @ A under the base names
+                yield from export_merged_weights(model)
+            else:
+                yield from export_hf_weights(model)
 
     def weight_specs(self) -> list[tuple[str, list[int]]]:
         """HF names and shapes of every exported tensor, in export order (collective)."""

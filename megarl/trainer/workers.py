@@ -27,6 +27,7 @@ from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.settings import (
     DTYPES,
     ActorSpec,
+    LoraSettings,
     LossSettings,
     OptimizerSettings,
     recompute_settings,
@@ -110,7 +111,13 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      offload=OffloadSettings(**a.offload.model_dump()),
                      ref_param_offload=cfg.ref.offload.param_offload,
                      recompute=recompute_settings(a.recompute),
-                     trust_remote_code=cfg.model.trust_remote_code)
+                     trust_remote_code=cfg.model.trust_remote_code,
+                     lora=LoraSettings(rank=a.lora.rank, alpha=a.lora.alpha,
+                                       dropout=a.lora.dropout,
+                                       target_modules=None if a.lora.target_modules is None
+                                       else tuple(a.lora.target_modules),
+                                       exclude_modules=tuple(a.lora.exclude_modules),
+                                       seed=cfg.trainer.seed))
 
 
 def engine_max_num_seqs(cfg: RunConfig) -> int | None:

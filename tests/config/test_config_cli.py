@@ -119,6 +119,8 @@ NOT_BUILT_TRIGGERS: dict[str, tuple[str, ...]] = {
     "rollout.quantization": ("rollout.quantization=fp8",),
     "actor.router_replay.mode": ("actor.router_replay.mode=R2",
                                  "algorithm.rollout_correction.bypass_mode=true"),
+    "actor.lora.target_modules": ("actor.lora.rank=8",
+                                  "actor.lora.target_modules=[experts.linear_fc1]"),
 }
 
 

@@ -274,3 +274,27 @@ def test_the_log_prob_chunk_is_the_code_s():
     from megarl.megatron.vocab_parallel import CHUNK_ELEMENTS
 
     assert LOG_PROB_CHUNK_ELEMENTS == CHUNK_ELEMENTS
+
+
+def test_lora_state_holds_grads_and_optimizer_of_the_adapters_only(tiny_moe_dir):
+    """With actor.lora the update keeps fp32 grads and Adam moments of the adapters alone, as
+    many as PEFT trains on the HF model (the tiny MoE: attention adapters; no dense MLP), and
+    one adapter's worth less with an exclusion; the base weights stay."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
+    peft = get_peft_model(hf, LoraConfig(r=8, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                "o_proj"]))
+    adapters = sum(p.numel() for p in peft.parameters() if p.requires_grad)
+    full, _ = tiny_estimate(tiny_moe_dir, "actor.use_distributed_optimizer=false")
+    lora, _ = tiny_estimate(tiny_moe_dir, "actor.use_distributed_optimizer=false",
+                            "actor.lora.rank=8")
+    assert lora.update.state.grads == adapters * 4
+    assert lora.update.state.optimizer == adapters * 8  # fp32: the moments, no master copy
+    assert lora.update.state.weights == full.update.state.weights + adapters * 4
+    excluded, _ = tiny_estimate(tiny_moe_dir, "actor.use_distributed_optimizer=false",
+                                "actor.lora.rank=8",
+                                "actor.lora.exclude_modules=[layers.0.self_attention.linear_proj]")
+    o_proj = 8 * (hf.config.num_attention_heads * hf.config.head_dim + hf.config.hidden_size)
+    assert excluded.update.state.grads == (adapters - o_proj) * 4

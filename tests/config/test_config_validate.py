@@ -249,6 +249,21 @@ CASES = [
     ("check_settings_without_effect", ["rollout.multi_turn.max_assistant_turns=3"], None,
      ["rollout.multi_turn.max_assistant_turns"], "set rollout.multi_turn.enable=true",
      "warning"),
+    # LoRA (actor.lora): what it cannot run with, and targets / exclusions naming real layers
+    ("check_lora", ["actor.lora.rank=8", "actor.cuda_graphs=true"], None,
+     ["actor.lora.rank", "actor.cuda_graphs"], "set actor.cuda_graphs=false", "error"),
+    ("check_lora", ["actor.lora.rank=8", "actor.lora.target_modules=[linear_qkv,linear_fc1]"],
+     None, ["actor.lora.target_modules"], "choose targets and patterns", "error"),
+    ("check_lora", ["actor.lora.rank=8", "actor.lora.exclude_modules=[layers.99.*]"], None,
+     ["actor.lora.exclude_modules"], "choose targets and patterns", "error"),
+    ("check_lora", ["actor.lora.rank=8", "actor.lora.exclude_modules=['layers.*']"], None,
+     ["actor.lora.exclude_modules"], "choose targets and patterns", "error"),
+    ("check_lora", ["actor.lora.rank=8"], DEEPSEEK_V3, ["actor.lora.rank", "model.path"],
+     "set actor.lora.rank=0", "error"),
+    ("check_not_built", ["actor.lora.rank=8", "actor.lora.target_modules=[experts.linear_fc1]"],
+     None, ["actor.lora.target_modules"], "remove experts.linear_fc1", "error"),
+    ("check_settings_without_effect", ["actor.lora.alpha=32"], None, ["actor.lora.alpha"],
+     "set actor.lora.rank > 0", "warning"),
     # security: engines reachable from the network need an API key
     ("check_rollout_bind_needs_api_key", ["rollout.host=0.0.0.0"], None,
      ["rollout.host", "rollout.api_key"], "set rollout.api_key", "error"),
@@ -409,3 +424,12 @@ def test_overlapping_schedules_on_one_colocated_gpu_are_refused_with_the_reason(
     assert problem.fields == ("scheduler.mode", "rollout.colocate")
     assert "gives its weights and KV cache back while the actor trains" in problem.message
     assert "scheduler.mode=colocate_sync" in problem.fix
+
+
+def test_lora_on_the_default_targets_is_clean(checker):
+    """LoRA with the default targets (every attention layer of the all-MoE Qwen3-30B-A3B: the
+    dense-MLP targets are left out where no layer has them) validates; so does an exclusion
+    that names a real layer."""
+    assert [p.line() for p in checker.problems("actor.lora.rank=8")] == []
+    assert [p.line() for p in checker.problems(
+        "actor.lora.rank=8", "actor.lora.exclude_modules=[layers.0.*]")] == []

@@ -275,6 +275,13 @@ FIELDS: dict[str, Row] = {
                                     "actor.recompute.granularity=selective"),
     "actor.router_replay.mode": spec("R2", "actor.router_replay"),
     "actor.router_replay.diagnose_no_replay": reads(Trainer.compute_old_log_probs),
+    "actor.lora.rank": spec(8, "actor.lora.rank"),
+    "actor.lora.alpha": spec(32, "actor.lora.alpha", "actor.lora.rank=8"),
+    "actor.lora.dropout": spec(0.1, "actor.lora.dropout", "actor.lora.rank=8"),
+    "actor.lora.target_modules": spec("[linear_qkv]", "actor.lora.target_modules",
+                                      "actor.lora.rank=8"),
+    "actor.lora.exclude_modules": spec("[layers.0.*]", "actor.lora.exclude_modules",
+                                       "actor.lora.rank=8"),
     "actor.cuda_graphs": spec("true", "actor.cuda_graphs"),
     "actor.cuda_graph_bucket_tokens": spec(512, "actor.cuda_graph_bucket_tokens"),
     "actor.log_prob_micro_batch_size_per_gpu": spec(

@@ -62,12 +62,8 @@ def hf_log_probs(model, tokens: torch.Tensor, with_entropy: bool = False):
     return lp, ent
 
 
-def reference_step(model_dir: str, batch: list[dict], optimizer: str, grad_clip: float) -> dict:
-    """The update computed on the HF model: new weights by checkpoint name, loss, grad norm."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+def reference_loss_terms(model, batch: list[dict]):
+    """Token-mean PPO surrogate (dual clip), entropy and k3 KL of ``batch`` under an HF model."""
     terms = []
     for s in batch:
         lp, ent = hf_log_probs(model, s["tokens"], with_entropy=True)
@@ -82,6 +78,16 @@ def reference_step(model_dir: str, batch: list[dict], optimizer: str, grad_clip:
     pg = sum((x * m).sum() for x, _, _, m in terms) / tokens
     ent = sum((e * m).sum() for _, e, _, m in terms) / tokens
     kl = sum((k * m).sum() for _, _, k, m in terms) / tokens
+    return pg, ent, kl
+
+
+def reference_step(model_dir: str, batch: list[dict], optimizer: str, grad_clip: float) -> dict:
+    """The update computed on the HF model: new weights by checkpoint name, loss, grad norm."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    pg, ent, kl = reference_loss_terms(model, batch)
     (pg - ENTROPY_COEFF * ent + KL_COEF * kl).backward()
     grad_norm = torch.sqrt(sum(p.grad.pow(2).sum() for p in model.parameters())).item()
     if grad_clip:
