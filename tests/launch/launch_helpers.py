@@ -8,8 +8,6 @@ import socket
 import sys
 from pathlib import Path
 
-from slurm_local import free_port
-
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 PROBE = Path(__file__).with_name("ray_probe.py")
@@ -21,8 +19,21 @@ def ray_port_env() -> dict[str, str]:
              "RAY_RUNTIME_ENV_AGENT_PORT", "RAY_DASHBOARD_AGENT_GRPC_PORT",
              "RAY_METRICS_EXPORT_PORT", "RAY_DASHBOARD_AGENT_LISTEN_PORT",
              "RAY_CLIENT_SERVER_PORT")
-    env = {name: str(free_port()) for name in names}  # from the ephemeral range (>= 32768)
+    # Below the kernel's ephemeral range (32768+): a free port taken from that range can be
+    # handed out as the source port of an outgoing connection (Ray opens many on loopback)
+    # before Ray binds it; a CI run failed so ("Address already in use" for the client server).
     first = worker_port_range()
+    workers = range(first, first + WORKER_PORTS)
+    chosen: list[int] = []
+    for _ in range(1000):
+        port = random.randrange(20000, 32000)
+        if port not in workers and port not in chosen and _bindable(port):
+            chosen.append(port)
+            if len(chosen) == len(names):
+                break
+    else:
+        raise RuntimeError("no free ports for Ray in 20000-32000")
+    env = {name: str(port) for name, port in zip(names, chosen)}
     env.update(RAY_MIN_WORKER_PORT=str(first), RAY_MAX_WORKER_PORT=str(first + WORKER_PORTS - 1))
     return env
 
@@ -31,11 +42,13 @@ WORKER_PORTS = 100
 
 
 def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return False
+    """Nothing holds ``port`` on any address (loopback included)."""
+    for host in ("", "127.0.0.1"):
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                return False
     return True
 
 
