@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megarl.megatron.parallel import unwrap_chunk
+
 if TYPE_CHECKING:
     from megarl.megatron.model import ActorModel
 
@@ -37,13 +39,7 @@ def export_hf_weights(model: ActorModel) -> Iterator[tuple[str, torch.Tensor]]:
         yield from bridge.export_weights(model.chunks)
         return
     for chunk in model.chunks:
-        yield from _chunk_tensors(bridge, _unwrap(chunk))
-
-
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
+        yield from _chunk_tensors(bridge, unwrap_chunk(chunk))
 
 
 def _chunk_tensors(bridge, module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

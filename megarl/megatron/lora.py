@@ -70,6 +70,7 @@ from megarl.config.lora_layers import (
 from megarl.megatron.model import ActorModel
 from megarl.megatron.native_modules import NormColumnParallelLinear
 from megarl.megatron.native_spec import moe_layer_pattern
+from megarl.megatron.parallel import unwrap_chunk
 from megarl.megatron.settings import LoraSettings
 
 # How each target's layers are split over TP.
@@ -248,16 +249,10 @@ def _sharded_state_dict_with_adapter(module: torch.nn.Module, base: Any, prefix:
     return out
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def _layers(model: ActorModel) -> Iterator[tuple[int, torch.nn.Module]]:
     """(global layer index, transformer layer) of every layer this rank holds."""
     for chunk in model.chunks:
-        for layer in _unwrap(chunk).decoder.layers:
+        for layer in unwrap_chunk(chunk).decoder.layers:
             yield layer.layer_number - 1, layer
 
 
@@ -337,7 +332,7 @@ def _merged_named_parameters(module: torch.nn.Module, *args: Any, **kwargs: Any)
 def merged_weights(model: ActorModel) -> Iterator[None]:
     """Inside the block the chunks' ``named_parameters`` (what mbridge's ``export_weights``
     reads) give the merged weights and no adapters; nothing is written to the model."""
-    chunks = [_unwrap(c) for c in model.chunks]
+    chunks = [unwrap_chunk(c) for c in model.chunks]
     try:
         for chunk in chunks:
             chunk.named_parameters = _merged_named_parameters.__get__(chunk)

@@ -28,21 +28,15 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
+from megarl.megatron.parallel import unwrap_chunk
 from megarl.megatron.vocab_parallel import _row_chunks, chunk_log_probs, logits_grad
-
-
-def _inner(chunk: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel under megatron's DDP / Float16Module wrappers."""
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
 
 
 @contextmanager
 def hidden_output(chunk: torch.nn.Module) -> Iterator[None]:
     """While active, the last stage's GPTModel returns ``[b, s, H]`` hidden states (its output
     layer's input) in place of logits."""
-    model = _inner(chunk)
+    model = unwrap_chunk(chunk)
     layer = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
     if layer is None:
         yield
@@ -60,7 +54,7 @@ def hidden_output(chunk: torch.nn.Module) -> Iterator[None]:
 
 def output_weight(chunk: torch.nn.Module) -> torch.Tensor:
     """The weight the last stage's output layer multiplies with (the embedding when tied)."""
-    model = _inner(chunk)
+    model = unwrap_chunk(chunk)
     if model.share_embeddings_and_output_weights:
         return model.shared_embedding_or_output_weight()
     return model.output_layer.weight
@@ -74,7 +68,7 @@ def output_log_probs(chunk: torch.nn.Module, hidden: torch.Tensor, targets: torc
     parallelism)."""
     if temperature <= 0:
         raise ValueError(f"temperature={temperature}: must be > 0")
-    model = _inner(chunk)
+    model = unwrap_chunk(chunk)
     h = hidden[0]
     group = mpu.get_tensor_model_parallel_group()
     if model.output_layer.sequence_parallel:

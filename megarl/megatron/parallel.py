@@ -139,3 +139,10 @@ def destroy_parallel() -> None:
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
+
+
+def unwrap_chunk(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel of a model chunk, under megatron's DDP / Float16Module wrappers."""
+    while hasattr(chunk, "module"):
+        chunk = chunk.module
+    return chunk

@@ -47,6 +47,7 @@ from megarl.megatron.logprobs import make_micro_batches
 from megarl.megatron.model import ActorModel
 from megarl.megatron.native_spec import moe_layer_pattern
 from megarl.megatron.packing import PackedBatch
+from megarl.megatron.parallel import unwrap_chunk
 
 ROUTER_REPLAY_OVERRIDES: dict[str, Any] = {"moe_enable_routing_replay": True}
 """``build_actor_model(..., config_overrides=ROUTER_REPLAY_OVERRIDES)`` gives routers that can
@@ -107,12 +108,6 @@ class MoERouter:
     """The ``TopKRouter`` (its ``router_replay`` is a :class:`NativeRowsRouterReplay`)."""
 
 
-def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(chunk, "module"):
-        chunk = chunk.module
-    return chunk
-
-
 def num_moe_layers(model: ActorModel) -> int:
     """MoE layers of the whole model (all pipeline stages): the middle axis of route tensors."""
     return sum(moe_layer_pattern(model.config))
@@ -134,7 +129,7 @@ def moe_routers(model: ActorModel) -> list[MoERouter]:
     moe_index = {layer: i for i, layer in enumerate(moe_layers)}
     routers = []
     for chunk in model.chunks:
-        for layer in _unwrap(chunk).decoder.layers:
+        for layer in unwrap_chunk(chunk).decoder.layers:
             router = getattr(layer.mlp, "router", None)
             if router is None:
                 continue
