@@ -11,5 +11,7 @@ cp /tmp/e2e/e2e_step.png $OUT/e2e_step_$shape.png 2>/dev/null
 cp /tmp/e2e/$shape/megarl/metrics.jsonl $OUT/metrics_$shape.jsonl 2>/dev/null
 # megarl's steps, for TRL's side as a later call (call_trl.sh reads benchmarks/h200/steps_SHAPE.jsonl)
 cp /tmp/e2e/$shape/megarl/steps.jsonl $OUT/steps_$shape.jsonl 2>/dev/null
+# the workers' and engines' logs (their last 400 lines each)
+for f in /tmp/e2e/$shape/megarl/logs/*.log; do [ -f "$f" ] && tail -400 "$f" > $OUT/$(basename "$f"); done
 nvidia-smi --query-gpu=memory.used --format=csv
 exit $rc

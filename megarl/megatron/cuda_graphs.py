@@ -109,6 +109,8 @@ class GraphedChunk:
         self._pool = None
         self._stream: torch.cuda.Stream | None = None
         self._pending: _Bucket | None = None
+        self.padding_tokens = 0
+        """Tokens replayed past the micro-batches' ends (the buckets' tails), summed."""
         self.failed: str | None = None
         """Why a capture failed (the chunk then runs eagerly), None while graphs work."""
         # a parameter under megatron's DDP hands its gradient to main_grad at once (its hook
@@ -257,6 +259,7 @@ class GraphedChunk:
             logger.info("captured the actor's CUDA graphs for %d tokens / %d sequences",
                         *key)
         self._pending = bucket
+        self.padding_tokens += bucket.tokens - batch.num_tokens
         out = _Replay.apply(self, bucket, *self.params)
         return out[:, : batch.num_tokens]
 

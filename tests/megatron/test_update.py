@@ -202,7 +202,7 @@ def update_on_rank(
     )
     if graphed is not None:  # the test must exercise the graphed path, with padded buckets
         assert graphed.failed is None, graphed.failed
-        assert graphed.buckets and any(b.tokens > 16 for b in graphed.buckets.values())
+        assert graphed.buckets and graphed.padding_tokens > 0
     weights = {
         name: t.detach().cpu().clone() for name, t in model.bridge.export_weights(model.chunks)
     }
