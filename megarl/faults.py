@@ -21,7 +21,9 @@ whatever the machine's speed.
 
 ``MEGARL_OOM_AT=PHASE[:RANK]`` raises ``torch.OutOfMemoryError`` when a process (the one whose
 ``RANK`` environment variable is ``RANK``, or any) enters ``PHASE`` of
-:func:`megarl.memory.phase_memory`: the out-of-memory path without filling a GPU.
+:func:`megarl.memory.phase_memory`: the out-of-memory path without filling a GPU. Two more points
+are the embedded engine's: ``resume_rollout`` (its ``/resume_memory_occupation``) and
+``engine_decode`` (every decode step, so every retry: the path where its recovery gives up).
 """
 
 from __future__ import annotations

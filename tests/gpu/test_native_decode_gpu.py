@@ -46,3 +46,34 @@ def test_native_decode_matches_hf_forward(tmp_path, arch):
         ref = hf_next_logprobs(runner.model, seqs)
         assert (torch.log_softmax(logits, -1) - ref).abs().max() < 0.1, step
     assert runner.native.flash, "FlashAttention decode failed its check against the fp32 path"
+
+
+def test_decode_graphs_are_captured_again_after_the_kv_cache_grows(tmp_path):
+    """Rows joining past the cache's row bucket re-allocate the KV cache, which drops the decode
+    graphs; the next decode must capture anew (into a fresh pool: re-using the dead pool's
+    handle trips the caching allocator's ``use_count > 0`` assertion) and still match HF."""
+    from megarl.rollout.local.model_runner import ModelRunner
+
+    model_dir = make_tiny_model(tmp_path / "qwen3", arch="qwen3", seed=1, head_dim=64,
+                                hidden_size=128, num_attention_heads=4, with_tokenizer=False)
+    runner = ModelRunner(model_dir, device="cuda", dtype="bfloat16")
+    native = runner.native
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(3, 128, (9,), generator=g).tolist()]
+    out, kv = runner.prefill(seqs, routes=False)
+    runner.append_rows(kv, [0])
+    logits = out.logits
+    for step in range(6):
+        seqs = [s + [t] for s, t in zip(seqs, logits.argmax(-1).tolist())]
+        if step == 2:  # three rows join one: the cache grows to the next row bucket
+            capacity = native.cache.rows_cap
+            joining = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (4, 30, 12)]
+            new, kv = runner.prefill(joining, routes=False)
+            runner.append_rows(kv, [0, 1, 2])
+            assert native.cache.rows_cap > capacity
+            seqs += [s + [t] for s, t in zip(joining, new.logits.argmax(-1).tolist())]
+        logits = runner.decode([s[-1] for s in seqs], routes=False).logits
+        ref = hf_next_logprobs(runner.model, seqs)
+        assert (torch.log_softmax(logits, -1) - ref).abs().max() < 0.1, step
+    assert native.capture_failures == 0
+    assert native.use_graphs and len(native._graphs) == 1  # the 4-row bucket, captured anew

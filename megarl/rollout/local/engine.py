@@ -7,6 +7,14 @@ SGLang's ``--max-total-tokens`` bounds its pool), prefills them together (the pr
 the ``n`` sample rows), samples their first tokens and adds them to the running batch; then the
 whole batch decodes one token. Requests that arrive while others run join at the next step.
 
+A step that runs out of device memory (``torch.OutOfMemoryError``: something else on the GPU, such
+as a colocated trainer's leftovers, holds more than the budgets assumed) fails nothing at first:
+the running rows are retracted with their tokens (as ``/pause_generation`` ``retract`` does), the
+KV cache and decode graphs are freed, the KV budget shrinks to three quarters of what the cache
+held (and the prefill budget halves if a prefill failed), and the rows queue again. Only
+:data:`OOM_RETRIES` failures in a row without a completed step fail the requests, with the
+error.
+
 Everything that touches the model (generation, weight loads, aborts, pause modes) runs on the
 engine thread, between steps: other threads hand it functions through :meth:`LocalEngine.call`,
 so a weight update never lands in the middle of a forward.
@@ -34,6 +42,9 @@ from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampl
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+OOM_RETRIES = 3
+"""Out-of-memory steps in a row the engine recovers from before it fails the requests."""
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 DEFAULT_SAMPLING_SEED = 42
 """The seed of requests without ``sampling_seed`` under deterministic inference (SGLang's)."""
@@ -129,6 +140,9 @@ class LocalEngine:
         self.released: set[str] = set()
         self.steps = 0
         """Generation steps run so far (``/health`` takes any progress as a sign of life)."""
+        self.oom_recoveries = 0
+        """Out-of-memory steps recovered from by retracting the rows (module docstring)."""
+        self._oom_streak = 0
         self._step_delay_s = engine_step_delay()
         self._generator = torch.Generator()
         self._generator.manual_seed(seed if seed is not None else torch.seed())
@@ -193,7 +207,8 @@ class LocalEngine:
         running = sum(s.finish is None for s in self._rows)
         return {"num_running_reqs": running, "num_waiting_reqs": len(self._waiting),
                 "paused": self.paused, "released": sorted(self.released),
-                "weight_version": self.weight_version, "generation_steps": self.steps}
+                "weight_version": self.weight_version, "generation_steps": self.steps,
+                "oom_recoveries": self.oom_recoveries}
 
     @property
     def busy(self) -> bool:
@@ -206,14 +221,25 @@ class LocalEngine:
             self._drain_inbox(block=self._idle())
             if self._idle():
                 continue
-            try:
-                self._step()
-                self.steps += 1
-                if self._step_delay_s:
-                    time.sleep(self._step_delay_s)
-            except Exception as err:  # a failed forward fails its requests, not the server
-                logger.exception("generation step failed")
+            self._guarded_step()
+            if self._step_delay_s:
+                time.sleep(self._step_delay_s)
+
+    def _guarded_step(self) -> None:
+        """One step; out of memory, recover (module docstring); any other error fails the
+        requests, not the server."""
+        try:
+            self._step()
+            self.steps += 1
+            self._oom_streak = 0
+        except torch.OutOfMemoryError as err:
+            if not self._recover_from_oom(err):
+                logger.exception("generation step failed: out of memory %d times in a row",
+                                 self._oom_streak)
                 self._fail_all(err)
+        except Exception as err:  # noqa: BLE001 - the requests receive it
+            logger.exception("generation step failed")
+            self._fail_all(err)
 
     def _idle(self) -> bool:
         return self.paused or bool(self.released) or not (self._rows or self._waiting)
@@ -334,6 +360,7 @@ class LocalEngine:
         self._set_rows(self._rows + [samples[k] for k in keep])
 
     def _decode(self) -> None:
+        oom_point("engine_decode")
         rows = self._rows  # finished rows stay until compaction; their results are ignored
         want_routes = any(s.request.return_routed_experts and s.finish is None for s in rows)
         out = self.runner.decode([s.output_ids[-1] for s in rows], want_routes,
@@ -483,6 +510,42 @@ class LocalEngine:
             self.runner.reload()
         self.released -= set(tags)
         return f"still released: {sorted(self.released)}"
+
+    def _recover_from_oom(self, err: torch.OutOfMemoryError) -> bool:
+        """Retract every row, free the KV cache, shrink the budgets and queue the rows again
+        (module docstring); False once :data:`OOM_RETRIES` steps in a row ran out of memory."""
+        self._oom_streak += 1
+        if self._oom_streak > OOM_RETRIES:
+            return False
+        held = self.runner.kv_allocated_tokens
+        in_prefill = bool(self._prefilling)
+        again: list[_Prefill] = []
+        for unit in self._prefilling:  # not yet prefilled, or sampled a first token
+            live = [s for s in unit.samples if s.finish is None]
+            fresh = [s for s in live if not s.output_ids]
+            if fresh:
+                again.append(_Prefill(fresh, unit.context))
+            again += [_Prefill([s], s.request.prompt_ids + s.output_ids)
+                      for s in live if s.output_ids]
+        again += [_Prefill([s], s.request.prompt_ids + s.output_ids)
+                  for s in self._rows if s.finish is None]
+        self._retire([s for s in self._rows if s.finish is not None])
+        self._prefilling = []
+        self._set_rows([])
+        self.runner.release_kv_cache()
+        self._waiting.extendleft(reversed(again))
+        budget = self.max_total_tokens
+        if budget is not None and held:
+            self.max_total_tokens = max(1, min(budget, held * 3 // 4))
+        if in_prefill:
+            self.max_prefill_tokens = max(1, self.max_prefill_tokens // 2)
+        self.oom_recoveries += 1
+        logger.warning(
+            "out of memory in a generation step (%d in a row; %s): retracted %d row(s), freed "
+            "the KV cache of %d token slots; KV budget %s -> %s token slots, prefill budget %d "
+            "tokens", self._oom_streak, " ".join(str(err).split())[:200], len(again), held,
+            budget, self.max_total_tokens, self.max_prefill_tokens)
+        return True
 
     def _fail_all(self, err: Exception) -> None:
         requests = {id(s.request): s.request for s in self._rows}

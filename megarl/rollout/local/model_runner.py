@@ -226,6 +226,11 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return 2 * int(cfg.num_hidden_layers) * heads * head_dim * itemsize
 
+    @property
+    def kv_allocated_tokens(self) -> int:
+        """KV token slots the native path's cache holds now (0 on the HF path)."""
+        return self.native.cache.allocated_tokens if self.native is not None else 0
+
     def peak_kv_tokens(self, rows: int, length: int) -> int:
         """KV token slots held at the peak of running ``rows`` rows up to ``length`` tokens:
         exact on the native path (its static cache, with the copy when it grows); on the HF path

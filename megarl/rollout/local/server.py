@@ -45,7 +45,7 @@ from megarl.config.model_info import weight_files
 from megarl.memory import GB, device_memory_report, is_out_of_memory
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.checkpoint_engine import CheckpointEndpoint
-from megarl.rollout.local.engine import MEMORY_TAGS, LocalEngine
+from megarl.rollout.local.engine import MEMORY_TAGS, OOM_RETRIES, LocalEngine
 from megarl.rollout.local.engine import Request as EngineRequest
 from megarl.rollout.local.launch import API_KEY_ENV, is_loopback_host
 from megarl.rollout.local.model_runner import ModelRunner
@@ -77,6 +77,21 @@ def _error(message: str, status: int = 400) -> JSONResponse:
 def _failure(message: str) -> JSONResponse:
     """SGLang's answer to a request that failed while it ran (``_create_error_response``)."""
     return JSONResponse({"error": {"message": message}}, status_code=400)
+
+
+def _generation_failed(engine: LocalEngine, err: BaseException) -> JSONResponse:
+    """The answer to requests a generation step failed: 500 with SGLang's error body, naming
+    the error (and, out of memory, what the device has free and who holds the rest)."""
+    reason = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+    if isinstance(err, torch.OutOfMemoryError):
+        free, total, holders = device_memory_report(engine.runner.device)
+        reason += (f"; {free} bytes ({free / GB:.2f} GB) free of {total} on "
+                   f"{engine.runner.device}; held by: {holders}; the engine retried "
+                   f"{OOM_RETRIES} times with smaller budgets (lower "
+                   "rollout.gpu_memory_utilization, i.e. --mem-fraction-static)")
+    message = f"generation failed: {reason}"
+    logger.error("/generate: %s", message)
+    return JSONResponse({"error": {"message": message}}, status_code=500)
 
 
 def _resume_out_of_memory(engine: LocalEngine, tags: list[str], err: BaseException
@@ -191,6 +206,8 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
             for rid in (rid for r in requests for rid in r.sample_rids):
                 engine.abort(rid)
             raise
+        except Exception as err:  # noqa: BLE001 - a failed generation step, answered with why
+            return _generation_failed(engine, err)
         out = [sample_to_sglang(s, state.tokenizer, state.routes_layout)
                for samples in results for s in samples]
         return out if as_list else out[0]

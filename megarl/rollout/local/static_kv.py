@@ -149,6 +149,8 @@ class NativeDecoder:
         """Triton RoPE / SwiGLU and all-experts MoE decode (CUDA; checked on first decode)."""
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
+        self.capture_failures = 0
+        """Decode-graph captures that failed (each bucket then decodes eagerly)."""
         self._fused: list[FusedLayer] | None = None
         """Per layer, the q/k/v (and dense gate/up) weights as one tensor (CUDA; built on first
         use and again after :meth:`release`, since moving the model re-allocates weights)."""
@@ -186,8 +188,7 @@ class NativeDecoder:
     def release(self) -> None:
         """Drop rows, the KV buffers and the captured graphs."""
         self.clear()
-        self._graphs.clear()
-        self._pool = None
+        self._drop_graphs()
         self._fused = None
         self.cache.free()
 
@@ -204,7 +205,18 @@ class NativeDecoder:
         if self.use_graphs:
             rows = row_bucket(rows)
         if self.cache.ensure(rows, length, live):
-            self._graphs.clear()
+            self._drop_graphs()
+            if self.device.type == "cuda":  # the old buffers and the graphs' pool go back to
+                torch.cuda.empty_cache()     # the device: what the budget counts is what is held
+
+    def _drop_graphs(self) -> None:
+        """Forget the captured graphs and their memory pool. The pool handle goes with them: the
+        caching allocator keeps a pool only while some graph captured into it lives, and a
+        capture into the handle of a dead pool fails its ``use_count > 0`` assertion (on the
+        H200, every capture after the first KV regrowth did, and decoding went eager). The
+        dead pool's blocks go back to the device with ``empty_cache``."""
+        self._graphs.clear()
+        self._pool = None
 
     def reserve(self, rows: int, length: int) -> None:
         """Size the cache for ``rows`` running rows of up to ``length`` tokens each."""
@@ -497,6 +509,7 @@ class NativeDecoder:
             try:
                 graph = self._capture(bucket)
             except RuntimeError as err:
+                self.capture_failures += 1
                 logger.warning("CUDA graph capture failed (%s); decoding without graphs", err)
                 return None
             self._graphs[bucket] = graph
