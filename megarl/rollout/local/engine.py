@@ -237,7 +237,7 @@ class LocalEngine:
                 logger.exception("generation step failed: out of memory %d times in a row",
                                  self._oom_streak)
                 self._fail_all(err)
-        except Exception as err:  # noqa: BLE001 - the requests receive it
+        except Exception as err:  # the requests receive it
             logger.exception("generation step failed")
             self._fail_all(err)
 
