@@ -12,6 +12,11 @@ of ``CUDA_VISIBLE_DEVICES``) through ``nvidia-smi`` (NVML: no CUDA context anywh
 (memory the workers would miss).
 A driver that sees no GPU (Ray on a cluster whose head has none) skips the check with one line.
 ``trainer.preflight=false`` turns it off.
+
+:func:`host_preflight` does the same for host memory, per node of a Ray cluster: the host memory
+the pools can place on a node (:mod:`megarl.config.host_estimates`: offloaded train state,
+released engine weights, processes) against what the node has available, with the fields that
+lower it.
 """
 
 from __future__ import annotations
@@ -21,13 +26,18 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from megarl.config import RunConfig
 from megarl.config.derived import derive_sizes
-from megarl.config.estimates import estimate, phase_estimates
+from megarl.config.estimates import estimate, phase_estimates, size
+from megarl.config.host_estimates import host_estimate, host_fixes
 from megarl.config.model_info import ModelInfo
 from megarl.memory import GB, PHASE_KNOBS
+
+if TYPE_CHECKING:
+    from megarl.cluster.preflight import HostMemory
 
 MIB = 2**20
 _SMI_QUERY = "--query-gpu=index,uuid,memory.free,memory.total"
@@ -126,12 +136,18 @@ def read_free_memory(timeout_s: float = 120.0) -> FreeMemory:
     return {f"GPU {i}": (int(free), int(total)) for i, (free, total) in enumerate(readings)}
 
 
+def with_gpu_memory(cfg: RunConfig, total_bytes: int) -> RunConfig:
+    """``cfg`` with an unset ``resources.gpu_memory_gb`` taken as ``total_bytes`` (the
+    smallest GPU), which sizes the engines' KV cache."""
+    if cfg.resources.gpu_memory_gb is not None:
+        return cfg
+    resources = cfg.resources.model_copy(update={"gpu_memory_gb": total_bytes / GB})
+    return cfg.model_copy(update={"resources": resources})
+
+
 def device_estimates(cfg: RunConfig, model: ModelInfo, total_bytes: int) -> dict[str, int]:
-    """Each phase's estimate (bytes per GPU); an unset ``resources.gpu_memory_gb`` is taken
-    as ``total_bytes`` (the smallest GPU), which sizes the engines' KV cache."""
-    if cfg.resources.gpu_memory_gb is None:
-        resources = cfg.resources.model_copy(update={"gpu_memory_gb": total_bytes / GB})
-        cfg = cfg.model_copy(update={"resources": resources})
+    """Each phase's estimate (bytes per GPU), :func:`with_gpu_memory`."""
+    cfg = with_gpu_memory(cfg, total_bytes)
     return phase_estimates(estimate(cfg, model, derive_sizes(cfg, model)))
 
 
@@ -163,4 +179,39 @@ def device_preflight(cfg: RunConfig, model: ModelInfo | None,
     need = max(estimates.values(), default=0)
     fits = (f"preflight: every phase fits (largest ~{need / GB:.1f} GB per GPU; least free: "
             f"{gpu}, {free / GB:.1f} GB, of {len(gpus)} GPU(s))")
+    return [fits], False
+
+
+def host_preflight(cfg: RunConfig, model: ModelInfo, nodes: Sequence[HostMemory],
+                   gpus: FreeMemory) -> tuple[list[str], bool]:
+    """The lines to print and whether the run is refused: each node's host-memory estimate
+    (what the pools can place on a node with the GPUs ``gpus`` lists for it, labelled ``node
+    HOST (IP) GPU i``) against what it has available; one line per node that cannot hold it,
+    naming the parts and the fields that lower it (the offload switches only where the GPU
+    with the least free memory has room for the state they would keep). Nothing without GPUs,
+    on CPU runs (the state is host memory there already) or with ``trainer.preflight`` off."""
+    if not gpus or not cfg.trainer.preflight or cfg.resources.device == "cpu":
+        return [], False
+    cfg = with_gpu_memory(cfg, min(total for _, total in gpus.values()))
+    sizes = derive_sizes(cfg, model)
+    host = host_estimate(cfg, model, sizes)
+    gpu_free = min(free for free, _ in gpus.values())
+    lines, checked = [], []
+    for node in nodes:
+        need = host.on_node(sum(1 for label in gpus if label.startswith(f"{node.node} ")))
+        if not need.total:  # the pools place nothing there
+            continue
+        checked.append((node.available - need.total, node, need.total))
+        if need.total > node.available:
+            fixes = host_fixes(cfg, model, sizes, host, need, node.available, gpu_free) or [
+                "fewer train GPUs on the node, or free its memory"]
+            lines.append(
+                f"preflight: {node.node} needs ~{size(need.total)} of host memory, it has "
+                f"{size(node.available)} available ({node.source}) — {need.breakdown()} — "
+                f"lower it with {'; or '.join(fixes)}")
+    if lines or not checked:
+        return lines, bool(lines)
+    _, node, need = min(checked, key=lambda c: c[0])
+    fits = (f"preflight: host memory fits on every node (tightest: {node.node} needs "
+            f"~{size(need)} of {size(node.available)} available)")
     return [fits], False

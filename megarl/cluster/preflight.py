@@ -7,6 +7,10 @@
 - GPU memory (PITFALLS T1): the driver's preflight sees only the driver's GPUs (none on a CPU
   head node). :func:`gpu_memory_on_nodes` reads every node's GPUs the same way, labelled by
   node, for :func:`megarl.memory_preflight.device_preflight` to hold each phase against.
+- Host memory: :func:`host_memory_on_nodes` reads what every node has available
+  (:func:`read_host_memory`: ``MemAvailable``, or what the process's cgroup still allows when
+  that is less), for :func:`megarl.memory_preflight.host_preflight` to hold the per-node
+  estimate against.
 """
 
 from __future__ import annotations
@@ -33,7 +37,20 @@ class NodePathError(ClusterError):
 
 
 class NodeMemoryError(ClusterError):
-    """A phase's memory estimate exceeds the free memory of a GPU on some node."""
+    """A phase's memory estimate exceeds the free memory of a GPU on some node, or a node's
+    host-memory estimate what the node has available."""
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """One node's host memory as the preflight read it."""
+
+    node: str
+    """``node HOST (IP)``, the prefix of the node's GPU labels in :func:`gpu_memory_on_nodes`."""
+    available: int
+    total: int
+    source: str
+    """What limits ``available``: ``MemAvailable``, or the cgroup's limit file."""
 
 
 @dataclass(frozen=True)
@@ -157,4 +174,110 @@ def gpu_memory_on_nodes(read: Callable[[], FreeMemory] | None = None, timeout_s:
                           f"({type(err).__name__}: {str(err)[:200]})")
             continue
         found.update({f"node {host} ({ip}) {gpu}": reading for gpu, reading in gpus.items()})
+    return found, failed
+
+
+_NO_LIMIT = 1 << 60
+"""cgroup v1 writes "no limit" as a number near 2**63."""
+
+
+def _meminfo(path: str) -> tuple[int, int]:
+    """(MemAvailable, MemTotal) bytes of a /proc/meminfo file."""
+    fields: dict[str, int] = {}
+    with open(path) as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if rest.split():
+                fields[name] = int(rest.split()[0]) * 1024
+    return fields["MemAvailable"], fields["MemTotal"]
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # v2 writes "max" for no limit
+
+
+def _inactive_file(path: Path, key: str) -> int:
+    """Reclaimable page cache of a cgroup (``key`` of its memory.stat; 0 when unreadable)."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_room(proc_cgroup: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup"
+                ) -> tuple[int, int, str] | None:
+    """(room, limit, limit file) of the tightest memory limit on this process's cgroup and its
+    ancestors (v2 ``memory.max``; v1 ``memory.limit_in_bytes``): the limit less the usage, with
+    the inactive page cache (which the kernel reclaims first) counted as room. None without a
+    limit (or cgroups)."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return None
+    v1 = [line.split(":", 2)[2] for line in lines
+          if line.count(":") >= 2 and "memory" in line.split(":", 2)[1].split(",")]
+    if v1:
+        base, rel = Path(root) / "memory", v1[0]
+        files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
+    else:
+        v2 = [line.split(":", 2)[2] for line in lines if line.startswith("0::")]
+        if not v2:
+            return None
+        base, rel = Path(root), v2[0]
+        files = ("memory.max", "memory.current", "inactive_file")
+    best = None
+    here = base / rel.strip("/")
+    for directory in (here, *here.parents):
+        limit = _read_int(directory / files[0])
+        usage = _read_int(directory / files[1])
+        if limit is not None and limit < _NO_LIMIT and usage is not None:
+            room = limit - usage + _inactive_file(directory / "memory.stat", files[2])
+            if best is None or room < best[0]:
+                best = (max(0, room), limit, str(directory / files[0]))
+        if directory == base:
+            break
+    return best
+
+
+def read_host_memory(meminfo: str = "/proc/meminfo", proc_cgroup: str = "/proc/self/cgroup",
+                     cgroup_root: str = "/sys/fs/cgroup") -> tuple[int, int, str]:
+    """(available, total, source) bytes of host memory here: ``MemAvailable`` and ``MemTotal``,
+    or the room and limit of this process's cgroup when it allows less (a container, a Slurm
+    job's ``--mem``: /proc/meminfo shows the whole machine there)."""
+    available, total = _meminfo(meminfo)
+    room = cgroup_room(proc_cgroup, cgroup_root)
+    if room is not None and room[0] < available:
+        return room[0], min(total, room[1]), room[2]
+    return available, total, "MemAvailable"
+
+
+def _host_memory_here(read: Callable[[], tuple[int, int, str]]
+                      ) -> tuple[str, tuple[int, int, str]]:
+    return socket.gethostname(), read()
+
+
+def host_memory_on_nodes(read: Callable[[], tuple[int, int, str]] | None = None,
+                         timeout_s: float = 120.0) -> tuple[list[HostMemory], list[str]]:
+    """Every alive node's host memory, ``read`` there (default :func:`read_host_memory`); and
+    one line per node whose reading failed."""
+    import ray
+
+    refs = _pinned_on_each_node(_host_memory_here, read or read_host_memory)
+    found, failed = [], []
+    for ip, ref in refs.items():
+        try:
+            host, (available, total, source) = ray.get(ref, timeout=timeout_s)
+        except Exception as err:  # noqa: BLE001 - reported, the check goes on without it
+            failed.append(f"preflight: node {ip}: its host memory could not be read "
+                          f"({type(err).__name__}: {str(err)[:200]})")
+            continue
+        found.append(HostMemory(f"node {host} ({ip})", available, total, source))
     return found, failed

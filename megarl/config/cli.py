@@ -14,6 +14,7 @@ import argparse
 import sys
 
 from megarl.config.estimates import format_estimates
+from megarl.config.host_estimates import host_rows
 from megarl.config.loader import ConfigError, load_config
 from megarl.config.render import render_report
 from megarl.config.validate import build_context, run_rules, validate_config
@@ -56,7 +57,8 @@ def show_main(argv: list[str]) -> int:
     ctx = build_context(cfg, sources=sources, allow_missing_files=args.allow_missing_files)
     overrides = f" + {len(args.overrides)} override(s)" if args.overrides else ""
     title = f"megarl config show: {args.config}{overrides}"
-    estimates = format_estimates(ctx.cfg, ctx.model, ctx.sizes)
+    estimates = format_estimates(ctx.cfg, ctx.model, ctx.sizes,
+                                 host_rows(ctx.cfg, ctx.model, ctx.sizes))
     sys.stdout.write(render_report(cfg, sources, ctx.sizes, run_rules(ctx), title, estimates))
     return EXIT_OK
 

@@ -40,7 +40,8 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   (bytes(model.dtype) + 4 for the fp32 softmax the log-prob backward keeps).
 * Roles idle on the same GPUs (reference: weights; critic: state, counted with the actor's
   architecture) keep what they do not offload. ``offload.*`` moves weights, grads or optimizer
-  state to host memory while a role is idle, so it lowers the weight sync and the colocated
+  state to host memory while a role is idle (what a node then holds there:
+  :mod:`megarl.config.host_estimates`), so it lowers the weight sync and the colocated
   rollout, not the update itself. Colocated engines release their memory during the update.
 * Weight sync: what the actor keeps while idle, its weights always (the sync reads them; param
   offload starts after it) + one bucket (+ the engine's weights, colocated).
@@ -52,7 +53,7 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megarl.config.derived import DerivedSizes, RoleLayout, is_whole
@@ -208,13 +209,19 @@ def _shards(value: float | None) -> float:
     return float(value) if isinstance(value, int | float) and value >= 1 else 1.0
 
 
+def optimizer_shards(layout: RoleLayout, distributed_optimizer: bool) -> tuple[float, float]:
+    """The ranks that share the optimizer state of a (non-expert, expert) parameter."""
+    if not distributed_optimizer:
+        return 1.0, 1.0
+    return _shards(layout.dp) * layout.cp, _shards(layout.expert_dp)
+
+
 def train_state(dense: int, expert: int, layout: RoleLayout, dtype: str,
                 distributed_optimizer: bool, adapters: int | None = None) -> TrainState:
     """Weights, fp32 grads and Adam state of ``dense`` + ``expert`` parameters on one GPU; with
     LoRA ``adapters`` (counted as non-expert parameters) the only ones with grads and state."""
     per_param = ADAM_MOMENT_BYTES + (0 if dtype == "float32" else MASTER_BYTES)
-    dense_shards = _shards(layout.dp) * layout.cp if distributed_optimizer else 1.0
-    expert_shards = _shards(layout.expert_dp) if distributed_optimizer else 1.0
+    dense_shards, expert_shards = optimizer_shards(layout, distributed_optimizer)
     if adapters is not None:
         return TrainState(
             dense_params=dense + adapters, expert_params=expert,
@@ -487,8 +494,10 @@ def _engine_rows(e: EngineMemory) -> list[tuple[str, str]]:
     return rows
 
 
-def format_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSizes) -> list[str]:
-    """The estimates as lines: the parameter counts, then one aligned row per phase."""
+def format_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSizes,
+                     extra_rows: Sequence[tuple[str, str]] = ()) -> list[str]:
+    """The estimates as lines: the parameter counts, then one aligned row per phase (and the
+    ``extra_rows``: the host memory of :func:`megarl.config.host_estimates.host_rows`)."""
     if model is None:
         return ["n/a: model.path has no readable config.json"]
     est = estimate(cfg, model, sizes)
@@ -497,19 +506,21 @@ def format_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSize
         rows += _engine_rows(est.engine)
     rows.append(("GPU memory", size(est.gpu_memory) if est.gpu_memory is not None else
                  "unknown: set resources.gpu_memory_gb to check the phases against it"))
+    rows += extra_rows
     width = max(len(name) for name, _ in rows)
     return [f"params/total: {billions(est.params.total)}",
             f"params/active: {billions(est.params.active)}",
             *(f"{name:<{width}}  {value}" for name, value in rows)]
 
 
-def startup_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSizes) -> list[str]:
+def startup_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSizes,
+                      extra_rows: Sequence[tuple[str, str]] = ()) -> list[str]:
     """The block ``megarl train`` prints at start: ``config show``'s estimate rows, titled (T1)."""
     known = cfg.resources.gpu_memory_gb is not None
     title = ("memory estimate per GPU (formulas in megarl/config/estimates.py)" if known else
              "memory estimate per GPU (estimate only: resources.gpu_memory_gb is unknown, so "
              "the phases are not checked against the GPUs)")
-    return [title, *(f"  {line}" for line in format_estimates(cfg, model, sizes))]
+    return [title, *(f"  {line}" for line in format_estimates(cfg, model, sizes, extra_rows))]
 
 
 # ---------------------------------------------------------------------------------------------

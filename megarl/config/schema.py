@@ -369,8 +369,10 @@ class TrainerConfig(Section):
         "keeps the last good weights and logs a warning); 0 = never stop"))
     preflight: bool = Field(True, description=(
         "on GPUs, before any worker starts, hold every phase's memory estimate (`megarl config "
-        "show`) against each visible GPU's free memory and refuse a run that cannot fit (exit "
-        "2, one line per phase with the knobs that lower it); false = skip the check"))
+        "show`) against each visible GPU's free memory, and with Ray each node's host-memory "
+        "estimate (offloaded state, released engine weights, processes) against its available "
+        "memory; refuse a run that cannot fit (exit 2, one line per phase or node with the "
+        "fields that lower it); false = skip the checks"))
 
 
 class RewardConfig(Section):

@@ -42,12 +42,15 @@ def load_run_config(path: str, overrides: list[str],
 
 
 def startup_text(cfg: RunConfig) -> list[str]:
-    """The lines ``megarl train`` prints before it starts: the per-GPU memory estimate (T1)."""
+    """The lines ``megarl train`` prints before it starts: the per-GPU memory estimate and the
+    host memory per node (T1)."""
     from megarl.config.estimates import startup_estimates
+    from megarl.config.host_estimates import host_rows
     from megarl.config.validate import build_context
 
     ctx = build_context(cfg)
-    return [f"megarl: {line}" for line in startup_estimates(cfg, ctx.model, ctx.sizes)]
+    host = host_rows(cfg, ctx.model, ctx.sizes)
+    return [f"megarl: {line}" for line in startup_estimates(cfg, ctx.model, ctx.sizes, host)]
 
 
 def preflight_refuses(cfg: RunConfig, first: bool) -> bool:

@@ -292,14 +292,18 @@ def check_inputs_on_nodes(cfg: RunConfig) -> int:
 
 
 def check_memory_on_nodes(cfg: RunConfig,
-                          read: Callable[[], dict[str, tuple[int, int]]] | None = None
+                          read: Callable[[], dict[str, tuple[int, int]]] | None = None,
+                          read_host: Callable[[], tuple[int, int, str]] | None = None
                           ) -> list[str]:
     """The device preflight against every Ray node's GPUs (``read`` on each node; default
-    nvidia-smi): raises NodeMemoryError with one line per phase that does not fit the GPU with
-    the least free memory; otherwise returns the lines to print (none without GPUs)."""
-    from megarl.cluster.preflight import NodeMemoryError, gpu_memory_on_nodes
+    nvidia-smi) and the host preflight against every node's available host memory
+    (``read_host``; default /proc/meminfo and the cgroup): raises NodeMemoryError with one line
+    per phase that does not fit the GPU with the least free memory and per node that cannot
+    hold its host-memory estimate; otherwise returns the lines to print (none without GPUs:
+    a CPU run keeps its state in host memory, offload moves nothing)."""
+    from megarl.cluster.preflight import NodeMemoryError, gpu_memory_on_nodes, host_memory_on_nodes
     from megarl.config.model_info import ModelInfoError, load_model_info
-    from megarl.memory_preflight import device_preflight
+    from megarl.memory_preflight import device_preflight, host_preflight
 
     if not cfg.trainer.preflight or cfg.resources.device == "cpu":
         return []
@@ -311,11 +315,19 @@ def check_memory_on_nodes(cfg: RunConfig,
     except ModelInfoError:
         model = None  # device_preflight says it did not run
     lines, refused = device_preflight(cfg, model, read=lambda: readings)
-    if refused:
-        raise NodeMemoryError(f"{len(lines)} phase(s) do not fit the GPUs' free memory, "
-                              "checked on every node before starting workers:\n"
-                              + "\n".join(lines + failed))
-    return [line.replace("preflight:", "preflight on every node:", 1) for line in lines] + failed
+    host_lines, host_refused = [], False
+    if model is not None:
+        nodes, host_failed = host_memory_on_nodes(read_host)
+        host_lines, host_refused = host_preflight(cfg, model, nodes, readings)
+        failed += host_failed
+    if refused or host_refused:
+        what = [f"{len(lines)} phase(s) do not fit the GPUs' free memory"] if refused else []
+        what += [f"{len(host_lines)} node(s) cannot hold the run's host memory"] * host_refused
+        problems = (lines if refused else []) + (host_lines if host_refused else [])
+        raise NodeMemoryError(f"{' and '.join(what)}, checked on every node before starting "
+                              "workers:\n" + "\n".join(problems + failed))
+    return [line.replace("preflight:", "preflight on every node:", 1)
+            for line in lines + host_lines] + failed
 
 
 def _build_ray_workers(cfg: RunConfig, output_dir: Path, started_ray: bool,

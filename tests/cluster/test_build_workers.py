@@ -3,6 +3,7 @@ starts (PITFALLS S3), and a start-up that fails part-way leaves no actor or plac
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import ray
 from megarl.cluster import init_ray
 from megarl.cluster.preflight import NodePathError
 from megarl.config import load_config
+from megarl.config.estimates import GB
 from megarl.demo import DEMO_CONFIG, prepare_demo_assets
 from megarl.faults import FAIL_ENV, InjectedFault
 from megarl.trainer.workers import build_workers
@@ -110,15 +112,16 @@ def test_memory_preflight_reads_every_node_and_names_the_gpu(ray_runtime, assets
     from megarl.trainer.workers import check_memory_on_nodes
 
     cfg = demo_config(assets, tmp_path / "run", "resources.device=cuda")
-    gb = 2**30
-    plenty = lambda: {"GPU 0": (70 * gb, 80 * gb), "GPU 1": (79 * gb, 80 * gb)}  # noqa: E731
-    lines = check_memory_on_nodes(cfg, read=plenty)
+    plenty = lambda: {"GPU 0": (70 * GB, 80 * GB), "GPU 1": (79 * GB, 80 * GB)}  # noqa: E731
+    host = lambda: (500 * GB, 512 * GB, "MemAvailable")  # a lambda travels by value
+    lines = check_memory_on_nodes(cfg, read=plenty, read_host=host)
     node_ip = ray.util.get_node_ip_address()
-    assert len(lines) == 1 and lines[0].startswith("preflight on every node: every phase fits")
+    assert len(lines) == 2 and lines[0].startswith("preflight on every node: every phase fits")
     assert f"({node_ip}) GPU 0, 70.0 GB, of 2 GPU(s)" in lines[0]
-    busy = lambda: {"GPU 0": (70 * gb, 80 * gb), "GPU 1": (1 << 20, 80 * gb)}  # noqa: E731
+    assert lines[1].startswith("preflight on every node: host memory fits on every node")
+    busy = lambda: {"GPU 0": (70 * GB, 80 * GB), "GPU 1": (1 << 20, 80 * GB)}  # noqa: E731
     with pytest.raises(NodeMemoryError) as err:
-        check_memory_on_nodes(cfg, read=busy)
+        check_memory_on_nodes(cfg, read=busy, read_host=host)
     refused = str(err.value).splitlines()[1:]
     assert refused and all(f"({node_ip}) GPU 1 has 0.0 GB free" in line for line in refused)
     assert any("phase 'update_actor'" in line and "actor.recompute.granularity" in line
@@ -126,3 +129,33 @@ def test_memory_preflight_reads_every_node_and_names_the_gpu(ray_runtime, assets
     assert check_memory_on_nodes(cfg, read=dict) == []  # no GPU on any node: nothing to hold
     off = demo_config(assets, tmp_path / "run", "resources.device=cuda", "trainer.preflight=false")
     assert check_memory_on_nodes(off, read=busy) == []
+
+
+def test_host_memory_preflight_refuses_a_node_that_cannot_hold_the_run(ray_runtime, assets,
+                                                                       tmp_path):
+    """The host check reads every node's available memory in a pinned task and refuses, before
+    any worker starts, a node that cannot hold the offloaded state, the engines' released
+    weights and the processes; the line names the node, both sizes, the parts and the fields.
+    This machine has no GPU: the GPU and host readings are given (the Ray plumbing, the
+    estimate and the verdict are real)."""
+    from megarl.cluster.preflight import NodeMemoryError
+    from megarl.trainer.workers import check_memory_on_nodes
+
+    cfg = demo_config(assets, tmp_path / "run", "resources.device=cuda", "rollout.colocate=true",
+                      "resources.rollout_pool=null")
+    gpus = lambda: {"GPU 0": (70 * GB, 80 * GB), "GPU 1": (79 * GB, 80 * GB)}
+    short = lambda: (20 * GB, 24 * GB, "MemAvailable")
+    with pytest.raises(NodeMemoryError) as err:
+        check_memory_on_nodes(cfg, read=gpus, read_host=short)
+    header, line = str(err.value).splitlines()
+    assert header.startswith("1 node(s) cannot hold the run's host memory")
+    node = f"node {socket.gethostname()} ({ray.util.get_node_ip_address()})"
+    assert line.startswith(f"preflight: {node} needs ~24.0 GB of host memory, it has 20.0 GB "
+                           "available (MemAvailable)"), line
+    for part in ("actor optimizer", "engine weights", "processes 24.0 GB", "for 2 train GPU(s)",
+                 "— lower it with resources.train_pool.gpus_per_node=1 (~8.0 GB per train GPU"):
+        assert part in line, part  # the tiny model's state frees too little to be offered
+    separate = demo_config(assets, tmp_path / "run", "resources.device=cuda")
+    assert check_memory_on_nodes(separate, read=gpus, read_host=lambda: (
+        21 * GB, 24 * GB, "MemAvailable"))[1].startswith("preflight on every node: host memory "
+                                                         "fits")

@@ -182,6 +182,7 @@ def test_train_startup_prints_the_estimates_config_show_reports(run_files, capsy
     rows = [line.removeprefix("megarl:   ") for line in text[1:]]
     assert any(r.startswith("actor update") and "optimizer" in r and "activations" in r
                for r in rows)
+    assert any(r.startswith("host memory") and "CPU run" in r for r in rows)
     assert rows and all(r in shown for r in rows)
 
 
