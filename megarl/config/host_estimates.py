@@ -12,20 +12,15 @@ memory while the engines generate, and the engines' released weights while the a
   ``grad_offload`` costs nothing here: :mod:`megarl.megatron.offload` frees the gradient
   buffers without copying them (every update zeroes them first). The reference keeps its
   weights there with ``ref.offload.param_offload``.
-* Round-up: :mod:`megarl.megatron.offload` copies each storage into a pinned buffer of its own,
-  and torch's pinned-memory allocator rounds every buffer up to the next power of two (and
-  caches it for the next offload), so a 12 MiB tensor pins 16 MiB. Counted per storage:
-  with the distributed optimizer (no LoRA) DDP keeps all parameters of a rank in two buffers
-  (non-expert, expert); otherwise, and for the reference, each weight tensor is one. The
-  optimizer keeps a main param (bf16/fp16 models) and two moments per weight tensor, each
-  tensor's share of the distributed optimizer's shards counted as an even split. Tensors are
-  megatron's: fused qkv (MLA: its projections as one), output projection, fc1 (gate + up) and
-  fc2 per MLP and per routed expert, router, embedding, output layer. LoRA's adapters are
-  counted at twice their size (the worst case; they are small).
+* Round-up: :mod:`megarl.megatron.offload` packs each part's storages into the slabs of a
+  :class:`~megarl.host_arena.HostArena`: full slabs of :data:`~megarl.host_arena.SLAB_BYTES`
+  (a power of two, which torch's pinned-memory allocator does not round) and one slab of the
+  next power of two of the rest, so a part of B bytes holds less than B + one slab.
 * Released engine weights, per colocated engine GPU: megarl's embedded engine
   (``rollout.backend=local``) moves its weights to pinned host memory when it releases them,
-  one buffer per tensor, rounded up as above (its tensors counted in megatron's layout: HF's
-  split q/k/v and gate/up round alike up to a few MB per layer). SGLang counts 0: megarl starts it without
+  one buffer per tensor, which torch's pinned-memory allocator rounds up to the next power of
+  two (its tensors counted in megatron's layout: HF's split q/k/v and gate/up round alike up to
+  a few MB per layer). SGLang counts 0: megarl starts it without
   ``--enable-weights-cpu-backup``, so ``release_memory_occupation`` drops the weights (a
   torch_memory_saver region without CPU backup) and the next weight sync refills them.
 * Checkpoint staging (``trainer.async_save``): each rank's weights and optimizer state, copied
@@ -52,21 +47,19 @@ from typing import Any
 
 from megarl.config.derived import DerivedSizes, RoleLayout
 from megarl.config.estimates import (
-    FP32_BYTES,
     GB,
     Estimates,
     TrainState,
     estimate,
-    optimizer_shards,
     phase_estimates,
     size,
-    stage_adapter_params,
     stage_layers,
     stage_params,
     train_state,
 )
 from megarl.config.model_info import DTYPE_BYTES, ModelInfo
 from megarl.config.schema import OffloadConfig, ParallelConfig, RunConfig
+from megarl.host_arena import SLAB_BYTES
 
 TRAIN_PROCESS_BYTES = 4 * GB
 """Host memory of one train rank's process (actor or critic) besides what it offloads."""
@@ -188,6 +181,14 @@ def pinned(nbytes: int) -> int:
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
 
 
+def arena_round_up(nbytes: int) -> int:
+    """What a :class:`~megarl.host_arena.HostArena` holding ``nbytes`` adds to them: its full
+    slabs are exact, the last one is the next power of two of the rest (alignment padding,
+    at most 512 bytes a tensor, left out)."""
+    rest = nbytes % SLAB_BYTES
+    return pinned(rest) - rest
+
+
 def round_up(tensors: Tensors, nbytes: int, shards: float = 1.0) -> int:
     """What pinning each tensor (its ``shards``-th share, ``nbytes`` per element) adds."""
     total = 0
@@ -235,31 +236,15 @@ def _worst_stage(cfg: RunConfig, model: ModelInfo, layout: RoleLayout, p: Parall
     return max(range(p.pp), key=lambda s: states[s].total)
 
 
-def _role_parts(role: str, cfg: RunConfig, state: TrainState, tensors: tuple[Tensors, Tensors],
-                layout: RoleLayout, offload: OffloadConfig,
-                adapters: int | None = None) -> list[HostPart]:
-    """The parts one rank of a trained role offloads (``adapters``: LoRA's, the only
-    parameters with grads and optimizer state; the frozen weights are outside DDP's buffers)."""
-    dense, expert = tensors
-    nbytes = DTYPE_BYTES[cfg.model.dtype]
+def _role_parts(role: str, state: TrainState, offload: OffloadConfig) -> list[HostPart]:
+    """The parts one rank of a trained role offloads (with LoRA the optimizer state is the
+    adapters'; the frozen weights are its params)."""
     parts = []
     if offload.param_offload:
-        if cfg.actor.use_distributed_optimizer and adapters is None:  # DDP's two buffers
-            extra = sum(pinned(n * nbytes) - n * nbytes
-                        for n in (state.dense_params, state.expert_params))
-        else:
-            extra = round_up(dense + expert, nbytes) + (adapters or 0) * nbytes
-        parts.append(HostPart(f"{role} params", state.weights, extra))
+        parts.append(HostPart(f"{role} params", state.weights, arena_round_up(state.weights)))
     if offload.optimizer_offload and state.optimizer:
-        if adapters is not None:
-            extra = state.optimizer
-        else:
-            copies = 2 + int(cfg.model.dtype != "float32")  # moments (+ main params)
-            dense_shards, expert_shards = optimizer_shards(layout,
-                                                           cfg.actor.use_distributed_optimizer)
-            extra = copies * (round_up(dense, FP32_BYTES, dense_shards)
-                              + round_up(expert, FP32_BYTES, expert_shards))
-        parts.append(HostPart(f"{role} optimizer", state.optimizer, extra))
+        parts.append(HostPart(f"{role} optimizer", state.optimizer,
+                              arena_round_up(state.optimizer)))
     return parts
 
 
@@ -269,24 +254,20 @@ def _train_gpu(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
     released weights, and the processes."""
     vocab = sizes.padded_vocab_size or model.vocab_size
     a, st, stage = cfg.actor, est.update.state, est.update.stage
-    parts = _role_parts("actor", cfg, st, stage_tensors(model, a.parallel, stage, vocab),
-                        sizes.actor, a.offload, stage_adapter_params(cfg, model, stage))
+    parts = _role_parts("actor", st, a.offload)
     processes = TRAIN_PROCESS_BYTES
     if cfg.ref.enabled and sizes.ref is not None and cfg.ref.offload.param_offload:
         p = cfg.ref.parallel or a.parallel
         stage = _worst_stage(cfg, model, sizes.ref, p, vocab)
         ref = train_state(*stage_params(model, p, stage, vocab), sizes.ref, cfg.model.dtype,
                           a.use_distributed_optimizer)
-        dense, expert = stage_tensors(model, p, stage, vocab)
-        parts.append(HostPart("ref params", ref.weights,
-                              round_up(dense + expert, DTYPE_BYTES[cfg.model.dtype])))
+        parts.append(HostPart("ref params", ref.weights, arena_round_up(ref.weights)))
     if cfg.critic.enabled and sizes.critic is not None:
         p = cfg.critic.parallel or a.parallel
         stage = _worst_stage(cfg, model, sizes.critic, p, vocab)
         critic = train_state(*stage_params(model, p, stage, vocab), sizes.critic,
                              cfg.model.dtype, a.use_distributed_optimizer)
-        parts += _role_parts("critic", cfg, critic, stage_tensors(model, p, stage, vocab),
-                             sizes.critic, cfg.critic.offload)
+        parts += _role_parts("critic", critic, cfg.critic.offload)
         processes += TRAIN_PROCESS_BYTES
     if cfg.trainer.async_save:
         parts.append(HostPart("checkpoint staging", st.weights + st.optimizer))

@@ -2,8 +2,9 @@
 
 While colocated engines generate, the actor's optimizer state, gradient buffers and (optionally)
 parameters leave the GPU, and come back for the next forward or update. Everything moves at the
-level of the *storage*: a storage is copied to host memory (pinned on CUDA, plain on CPU) and
-resized to 0 bytes; on reload it is resized back and refilled. Every tensor that views it (DDP's
+level of the *storage*: a storage is copied to host memory (pinned on CUDA, plain on CPU; packed
+into each part's :class:`~megarl.host_arena.HostArena`, whose slabs stay allocated for the next
+cycle and are not rounded up per tensor as torch's pinned allocator would) and resized to 0 bytes; on reload it is resized back and refilled. Every tensor that views it (DDP's
 contiguous param/grad buffers, the params and ``main_grad`` views into them, the distributed
 optimizer's shards, Adam's ``exp_avg``/``exp_avg_sq``) stays the same object and is valid again
 after the reload, so megatron's buffers, buckets and optimizer need no re-wiring.
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from megarl.host_arena import SLAB_BYTES, HostArena, HostCopy
 from megarl.memory import free_cached_memory
 
 PARTS = ("param", "grad", "optimizer")
@@ -47,7 +49,7 @@ class _Stash:
 
     storage: torch.UntypedStorage
     nbytes: int
-    host: torch.Tensor | None
+    host: HostCopy | None
 
 
 def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
@@ -83,6 +85,9 @@ class StateOffloader:
     chunks: list[torch.nn.Module]
     optimizer: Any = None
     stashes: dict[str, list[_Stash]] = field(default_factory=dict)
+    arenas: dict[str, HostArena] = field(default_factory=dict)
+    """Per part, the host slabs its storages are copied into (kept for the next offload)."""
+    slab_bytes: int = SLAB_BYTES
 
     @property
     def offloaded(self) -> set[str]:
@@ -131,11 +136,16 @@ class StateOffloader:
         freed = 0
         for part, storages in found.items():
             stashes = []
+            arena = None
+            if part != "grad":  # grads are zeroed before every update: nothing to keep
+                arena = self.arenas.setdefault(part, HostArena(pin, self.slab_bytes))
+                arena.reset()  # this part's earlier copies were all reloaded
+                arena.reserve(s.nbytes() for s in storages)
             for storage in storages:
                 host = None
-                if part != "grad":  # grads are zeroed before every update: nothing to keep
-                    host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
-                    host.copy_(_bytes_of(storage), non_blocking=pin)
+                if arena is not None:
+                    host = arena.take(storage.nbytes())
+                    host.store(_bytes_of(storage), non_blocking=pin)
                 stashes.append(_Stash(storage, storage.nbytes(), host))
             self.stashes[part] = stashes
         if pin:
@@ -159,10 +169,15 @@ class StateOffloader:
                 if stash.host is None:
                     live.zero_()
                 else:
-                    live.copy_(stash.host, non_blocking=stash.host.is_pinned())
+                    stash.host.load_into(live, non_blocking=self.arenas[part].pin)
                 restored += stash.nbytes
         if torch.cuda.is_available() and self._on_gpu():
             torch.cuda.synchronize()
         for part in [p for p in PARTS if p in set(parts)]:
             self.stashes.pop(part, None)
         return restored
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes the parts' slabs hold (kept between cycles)."""
+        return sum(a.allocated_bytes for a in self.arenas.values())

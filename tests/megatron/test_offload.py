@@ -65,8 +65,12 @@ def _steps_on_rank(model_dir: str, round_trip: bool) -> dict:
     first = step(1)
     out: dict = {"first": first, "before": _state(actor)}
     if round_trip:
-        offloader = StateOffloader(model.chunks, actor.optimizer)
+        # 4 KiB slabs: storages span several (the default is 1 GiB, one slab for a tiny model)
+        offloader = StateOffloader(model.chunks, actor.optimizer, slab_bytes=4096)
         freed = offloader.offload(PARTS)
+        out["host_bytes"] = offloader.host_bytes
+        out["spanning"] = max(len(s.host.segments) for stashes in offloader.stashes.values()
+                              for s in stashes if s.host is not None)
         empty = [int(p.untyped_storage().nbytes()) for p in model.chunks[0].parameters()]
         grads = [int(p.main_grad.untyped_storage().nbytes())
                  for p in model.chunks[0].parameters()]
@@ -85,6 +89,7 @@ def _steps_on_rank(model_dir: str, round_trip: bool) -> dict:
         out["params_back_alone"] = sorted(offloader.offloaded) == ["grad", "optimizer"] and all(
             torch.equal(p, exported[n]) for n, p in model.chunks[0].named_parameters())
         out["staged"], out["staged_back"] = staged, back + offloader.reload(PARTS)
+        out["host_bytes_again"] = offloader.host_bytes  # the second cycle re-used the slabs
         out["after_staged"] = _state(actor)
     out["second"] = step(2)
     out["final"] = _state(actor)
@@ -102,6 +107,10 @@ def test_offload_round_trip_is_exact(pool2, tiny_models):
         assert got["offloaded"] == ["grad", "optimizer", "param"]
         assert got["freed"] > 0 and got["restored"] == got["freed"]
         assert got["empty"] and all(n == 0 for n in got["empty"]), got["empty"]
+        # params and optimizer copied (grads only freed), in slabs: at most a slab and the
+        # 512-byte alignment of each storage more than the bytes
+        assert got["spanning"] > 1
+        assert got["host_bytes_again"] == got["host_bytes"] < got["freed"]
         assert any(k.startswith("state/") for k in got["before"]), "no Adam state to move"
         assert got["before"].keys() == got["after"].keys()
         for key, value in got["before"].items():
