@@ -251,6 +251,7 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
     """Warm-up and timed colocated GRPO steps through the real trainer; per-step metrics.
     ``measured`` gets them as soon as the last step ended, before the teardown (which can be
     long at these sizes: engines, Ray, pinned host memory)."""
+    from megarl.cluster.preflight import NodeMemoryError
     from megarl.config import load_config
     from megarl.config.schema import SchedulerConfig
     from megarl.demo import DEMOS
@@ -283,7 +284,11 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
     steps_log.write_text("")
     started = time.perf_counter()
     try:
-        trainer.setup()
+        try:
+            trainer.setup()
+        except NodeMemoryError as err:  # a node's GPU or host memory: refused, as train does
+            print(err, flush=True)
+            return {"refused": "the preflight on the nodes refused these settings (above)"}
         print(f"[megarl {shape}] setup: {time.perf_counter() - started:.1f} s", flush=True)
         urls = trainer.workers.client.urls
         trainer.run(trainer.workers.client.close())
