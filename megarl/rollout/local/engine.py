@@ -120,6 +120,28 @@ class _Prefill:
     context: list[int]
 
 
+def _log_held_device_memory(device: torch.device, threshold: int = 1 << 30) -> None:
+    """After a full release: what this process still holds on ``device`` (allocated and
+    reserved), and above ``threshold`` bytes the largest live tensors there (shape, dtype), so
+    an engine that keeps memory while the actor trains says what it keeps."""
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    held = ""
+    if allocated > threshold:
+        import gc
+
+        tensors = {}
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device == device:
+                storage = obj.untyped_storage()
+                tensors[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), obj.dtype)
+        top = sorted(tensors.values(), key=lambda t: -t[0])[:8]
+        held = "; largest live tensors: " + ", ".join(
+            f"{shape} {dtype} {nbytes / 2**30:.2f} GiB" for nbytes, shape, dtype in top)
+    logger.info("released: this process holds %.2f GiB allocated, %.2f GiB reserved on %s%s",
+                allocated / 2**30, reserved / 2**30, device, held)
+
+
 class LocalEngine:
     """Continuous-batching generation over a :class:`ModelRunner`, run on its own thread."""
 
@@ -499,6 +521,8 @@ class LocalEngine:
         if "weights" in tags and "weights" not in self.released:
             self.runner.offload()
         self.released |= set(tags)
+        if self.runner.device.type == "cuda" and {"weights", "kv_cache"} <= self.released:
+            _log_held_device_memory(self.runner.device)
         return f"released {sorted(self.released)}"
 
     def resume_memory(self, tags: list[str]) -> str:
