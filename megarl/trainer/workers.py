@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -360,24 +361,40 @@ def _build_ray_workers(cfg: RunConfig, output_dir: Path, started_ray: bool,
                                       env=env, echo_logs=False, call_timeout_s=timeout))
         return started[-1]
 
+    clock = time.perf_counter()
+    seconds: dict[str, float] = {}
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        seconds[name] = time.perf_counter() - clock
+        clock = time.perf_counter()
+
     if colocate:  # the actor takes its memory first; the engines fit in what is left
         actor = start_actor()
+        lap("actor")
         rollout = start_rollout()
     else:
         # A rollout worker only launches its server: the engines load their weights while the
         # Megatron ranks build (wait_ready below waits for them).
         rollout = start_rollout()
         actor = start_actor()
+        lap("actor")
     critic = None
     if cfg.critic.enabled:
         fail_point("start_critic")
         critic = start_critic(cfg, pool=pools["train_pool"], log_dir=log_dir, env=env)
         started.append(critic.group)
+        lap("critic")
     urls = [u for u in rollout.execute_all("wait_ready") if u]
+    lap("engines")
     workers = _assemble(cfg, actor, rollout, urls, True, device, rollout.world_size,
                         started_ray)
+    lap("weight sync setup")
     workers.critic = critic
     workers.pools = pools
+    print("megarl: started in " + ", ".join(f"{name} {s:.1f} s" for name, s in seconds.items())
+          + (" (the engines after the actor: colocated)" if colocate else
+             " (the engines loading while the actor built)"), flush=True)
     return workers
 
 
