@@ -79,7 +79,10 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description=(
         "fraction of GPU memory an engine may use for weights + KV cache (SGLang "
         "`mem_fraction_static`; the embedded engine admits rows only while their KV cache at "
-        "full length fits what it leaves next to the weights)"))
+        "full length fits what it leaves next to the weights; a decode or prefill that still "
+        "runs out of device memory is retracted, its KV budget shrunk to 3/4 of what the cache "
+        "held, and rerun to the same tokens; after 3 failures in a row `/generate` answers 500 "
+        "with the free memory and who holds it)"))
     colocate: bool = Field(True, description=(
         "engines share the train pool's GPUs (memory is released between phases); false = a "
         "separate `resources.rollout_pool`"))
