@@ -12,7 +12,10 @@ the engine releases its memory while the actor trains, and weights move over CUD
 ``megarl demo --tools`` runs the multi-turn tools demo on CPU: the CPU demo's tiny model, first
 warm-started on tool-call demonstrations (:mod:`megarl.data.warm_start`, a stand-in for an
 instruct model), learns to call a calculator for ``tool_multiply`` with
-``configs/tiny-moe-tools.yaml``.
+``configs/tiny-moe-tools.yaml``. ``megarl demo --lora`` runs the CPU demo with LoRA: rank-16
+adapters on every linear layer of a tiny random dense Qwen3 (the base frozen) learn ``copy_digit``
+with ``configs/tiny-dense-lora-cpu.yaml`` under ``outputs/tiny-dense-lora/``; its model is drawn
+with ``initializer_range`` 0.1, since the frozen output layer bounds what the adapters can do.
 
 Prints where the metrics and plot are.
 """
@@ -36,7 +39,9 @@ class DemoSpec:
     config: Path
     task: str
     model: dict[str, Any] = field(default_factory=dict)
-    """Overrides of the tiny Qwen3-MoE config (``make_tiny_model``)."""
+    """Overrides of the tiny model's config (``make_tiny_model``)."""
+    arch: str = "qwen3_moe"
+    """The tiny model's architecture (``make_tiny_model``)."""
     train_rows: int = 2048
     warm_start_steps: int = 0
     """Supervised steps on tool-call demonstrations before RL (:mod:`megarl.data.warm_start`);
@@ -51,6 +56,12 @@ DEMOS = {
         "num_experts_per_tok": 2, "moe_intermediate_size": 1024}, train_rows=8192),
     "tools": DemoSpec(Path("outputs/tiny-moe-tools"), CONFIGS / "tiny-moe-tools.yaml",
                       "tool_multiply", warm_start_steps=400),
+    # LoRA freezes the output layer and the final norm, so a token's logit is at most
+    # |lm_head row| x sqrt(hidden_size): at HF's initializer_range 0.02 no hidden state gives a
+    # digit more than ~3% probability, at 0.1 up to ~75% (the random model's output stays near
+    # uniform: entropy 4.5 of ln 128 = 4.85), at 0.2 the random model is already peaked
+    "lora": DemoSpec(Path("outputs/tiny-dense-lora"), CONFIGS / "tiny-dense-lora-cpu.yaml",
+                     "copy_digit", {"initializer_range": 0.1}, arch="qwen3"),
 }
 # the warm start's demonstrations: this fraction calls the calculator, the rest guess
 WARM_START_CALL_FRACTION = 0.3
@@ -71,7 +82,7 @@ def prepare_demo_assets(root: Path = DEMO_ROOT, seed: int = 0,
     if not (model / "config.json").exists():
         building = model.with_name(model.name + ".building")  # never a half-made model
         shutil.rmtree(building, ignore_errors=True)
-        make_tiny_model(building, arch="qwen3_moe", seed=seed, **spec.model)
+        make_tiny_model(building, arch=spec.arch, seed=seed, **spec.model)
         if spec.warm_start_steps:
             warm_start(building, spec.task, spec.warm_start_steps, seed)
         building.rename(model)
@@ -103,12 +114,17 @@ def demo_main(argv: list[str]) -> int:
                         help="cpu: the tiny CPU demo; cuda: the one-GPU colocated demo")
     parser.add_argument("--tools", action="store_true",
                         help="the multi-turn tools demo on CPU (configs/tiny-moe-tools.yaml)")
+    parser.add_argument("--lora", action="store_true",
+                        help="the CPU demo with LoRA adapters on a tiny dense model "
+                             "(configs/tiny-dense-lora-cpu.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="a.b.c=value",
                         help="overrides of the demo's config (e.g. trainer.total_steps=5)")
     args = parser.parse_args(argv)
-    if args.tools and args.device != "cpu":
-        parser.error("--tools: the tools demo runs on CPU only (leave out --device)")
-    spec = DEMOS["tools" if args.tools else args.device]
+    if (args.tools or args.lora) and args.device != "cpu":
+        parser.error("--tools / --lora: these demos run on CPU only (leave out --device)")
+    if args.tools and args.lora:
+        parser.error("--tools and --lora: choose one demo")
+    spec = DEMOS["tools" if args.tools else "lora" if args.lora else args.device]
     prepare_demo_assets(spec.root, spec=spec)
     from megarl.trainer import train_main
 

@@ -19,7 +19,8 @@ from megarl.config.validate import file_problems
 REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
 # model and data made by `megarl demo`
-DEMOS = {"tiny-moe-cpu.yaml", "moe-gpu-demo.yaml", "tiny-moe-tools.yaml"}
+DEMOS = {"tiny-moe-cpu.yaml", "moe-gpu-demo.yaml", "tiny-moe-tools.yaml",
+         "tiny-dense-lora-cpu.yaml"}
 SIZED = [p for p in SHIPPED if p.name not in DEMOS]
 CARDS = sorted(p for p in (REPO / "configs" / "models").iterdir() if p.is_dir())
 PLACEHOLDER_RULES = {"check_model_weights", "check_data_files"}
@@ -33,7 +34,8 @@ def card_of(path: Path) -> str:
 def test_the_shipped_set():
     assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "moe-gpu-demo", "qwen3-0.6b",
                                          "qwen3-235b-a22b", "qwen3-30b-a3b-32k", "qwen3-30b-a3b",
-                                         "qwen3-8b", "tiny-moe-cpu", "tiny-moe-tools"]
+                                         "qwen3-8b", "tiny-dense-lora-cpu", "tiny-moe-cpu",
+                                         "tiny-moe-tools"]
     # every sized config points at a model card, and every card is used
     assert sorted({card_of(p) for p in SIZED}) == [c.name for c in CARDS]
     for path in SHIPPED:
@@ -70,6 +72,25 @@ def test_tools_demo_config_validates_against_the_tiny_model(tiny_moe_dir, tmp_pa
     cfg, _ = load_config(REPO / "configs" / "tiny-moe-tools.yaml")
     assert cfg.rollout.multi_turn.enable
     assert cfg.rollout.multi_turn.tools == ["megarl.rollout.agent:calculator"]
+
+
+def test_lora_demo_config_validates_against_its_tiny_dense_model(tmp_path, capsys):
+    """The LoRA demo's config against the model `megarl demo --lora` draws (a dense Qwen3):
+    adapters on every linear layer, so the MLP's too."""
+    from megarl.data.tiny_model import make_tiny_model
+    from megarl.demo import DEMOS
+
+    spec = DEMOS["lora"]
+    model = make_tiny_model(tmp_path / "model", arch=spec.arch, **spec.model)
+    train, val = tmp_path / "train.parquet", tmp_path / "val.parquet"
+    train.write_bytes(b"")
+    val.write_bytes(b"")
+    assert validate_main([str(spec.config), f"model.path={model}", f"data.train_files=[{train}]",
+                          f"data.val_files=[{val}]"]) == 0
+    assert capsys.readouterr().out == "OK\n"
+    cfg, _ = load_config(spec.config)
+    assert (cfg.actor.lora.rank, cfg.actor.lora.alpha) == (16, 32)
+    assert cfg.actor.lora.target_modules is None  # every linear layer the model has
 
 
 def test_gpu_demo_config_validates_before_the_demo_ran(monkeypatch, capsys):
