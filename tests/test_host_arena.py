@@ -50,3 +50,10 @@ def test_ranges_are_aligned_and_a_take_past_the_reservation_adds_a_slab():
 def test_slab_size_must_be_a_power_of_two_of_at_least_the_alignment(bad):
     with pytest.raises(ValueError, match="slab_bytes"):
         HostArena(pin=False, slab_bytes=bad)
+
+
+def test_the_host_estimate_counts_the_same_slabs():
+    from megarl.config import host_estimates
+    from megarl.host_arena import SLAB_BYTES
+
+    assert host_estimates.SLAB_BYTES == SLAB_BYTES

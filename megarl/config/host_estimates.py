@@ -59,7 +59,6 @@ from megarl.config.estimates import (
 )
 from megarl.config.model_info import DTYPE_BYTES, ModelInfo
 from megarl.config.schema import OffloadConfig, ParallelConfig, RunConfig
-from megarl.host_arena import SLAB_BYTES
 
 TRAIN_PROCESS_BYTES = 4 * GB
 """Host memory of one train rank's process (actor or critic) besides what it offloads."""
@@ -179,6 +178,11 @@ def pinned(nbytes: int) -> int:
     """Bytes torch's pinned-memory allocator takes for a buffer of ``nbytes``: the next power
     of two (CachingHostAllocator's rounding, on by default)."""
     return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+SLAB_BYTES = 1 << 30
+""":data:`megarl.host_arena.SLAB_BYTES` (config imports nothing outside itself; a test holds
+the two equal)."""
 
 
 def arena_round_up(nbytes: int) -> int:
