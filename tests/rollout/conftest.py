@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megarl.data.tiny_model import make_tiny_model
-from megarl.faults import ENGINE_DELAY_ENV
+from megarl.faults import ENGINE_DELAY_ENV, OOM_ENV
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.process import ManagedServer
 
@@ -19,10 +19,12 @@ SLOW_STEP_S = 0.01  # the slow server's least time per generation step
 
 
 def _serve(model_dir: Path, log_dir: Path, seed: int | None = 0,
-           step_delay_s: float = 0.0) -> Iterator[ManagedServer]:
+           step_delay_s: float = 0.0, oom_at: str | None = None) -> Iterator[ManagedServer]:
     with pytest.MonkeyPatch.context() as env:  # the server's environment, not the session's
         if step_delay_s:
             env.setenv(ENGINE_DELAY_ENV, str(step_delay_s))
+        if oom_at:
+            env.setenv(OOM_ENV, oom_at)
         servers = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=log_dir,
                                        seed=seed, extra_args=["--health-check-timeout",
                                                               str(HEALTH_CHECK_TIMEOUT_S)],
@@ -77,3 +79,19 @@ def prompts() -> list[list[int]]:
     """A few prompts of different lengths (token ids of the tiny vocabulary, no EOS)."""
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(5, 128, (n,), generator=gen).tolist() for n in (3, 7, 12, 20)]
+
+
+@pytest.fixture(scope="module")
+def resume_oom_server(moe_dir: Path,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]:
+    """An embedded server whose every resume of its weights raises an out-of-memory error
+    (``MEGARL_OOM_AT=resume_rollout``)."""
+    yield from _serve(moe_dir, tmp_path_factory.mktemp("resume_oom_logs"), oom_at="resume_rollout")
+
+
+@pytest.fixture(scope="module")
+def decode_oom_server(moe_dir: Path,
+                      tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedServer]:
+    """An embedded server whose every decode step raises an out-of-memory error
+    (``MEGARL_OOM_AT=engine_decode``)."""
+    yield from _serve(moe_dir, tmp_path_factory.mktemp("decode_oom_logs"), oom_at="engine_decode")

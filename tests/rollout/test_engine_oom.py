@@ -6,20 +6,14 @@ memory in step 2 and every request got a bare "Internal Server Error")."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import httpx
 import pytest
 import torch
 
 from megarl.data.tiny_model import make_tiny_model
-from megarl.net import free_port
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.engine import OOM_RETRIES, LocalEngine, Request
-from megarl.rollout.local.launch import build_local_command
 from megarl.rollout.local.model_runner import ModelRunner
-from megarl.rollout.process import ManagedServer, start_all
 
 PROMPT, NEW = 24, 12
 
@@ -118,28 +112,13 @@ def test_repeated_failures_fail_the_requests_after_the_retries(model_dir):
     assert not engine.busy
 
 
-@pytest.fixture(scope="module")
-def failing_server(model_dir: Path, tmp_path_factory) -> Iterator[ManagedServer]:
-    """An embedded server whose every decode step raises an out-of-memory error."""
-    port = free_port("127.0.0.1")
-    server = ManagedServer(build_local_command(str(model_dir), port=port, num_threads=1),
-                           f"http://127.0.0.1:{port}", name="engine[decode oom]",
-                           env={"MEGARL_OOM_AT": "engine_decode"},
-                           log_path=tmp_path_factory.mktemp("oom_logs") / "engine.log")
-    start_all([server], ready_timeout_s=120)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def test_generate_answers_500_with_the_reason(failing_server):
-    answer = httpx.post(failing_server.url + "/generate", timeout=60, json={
+def test_generate_answers_500_with_the_reason(decode_oom_server):
+    answer = httpx.post(decode_oom_server.url + "/generate", timeout=60, json={
         "input_ids": list(range(3, 20)), "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})
     assert answer.status_code == 500, answer.text
     message = answer.json()["error"]["message"]
     assert message.startswith("generation failed: OutOfMemoryError: CUDA out of memory "
                               "(MEGARL_OOM_AT=engine_decode)")
     assert f"retried {OOM_RETRIES} times" in message and "free of" in message
-    info = httpx.get(failing_server.url + "/get_server_info").json()["internal_states"][0]
+    info = httpx.get(decode_oom_server.url + "/get_server_info").json()["internal_states"][0]
     assert info["oom_recoveries"] == OOM_RETRIES

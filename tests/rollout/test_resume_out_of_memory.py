@@ -7,40 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
 from megarl.memory import PHASE_KNOBS, PhaseOutOfMemory
-from megarl.net import free_port
-from megarl.rollout.local.launch import build_local_command
-from megarl.rollout.process import ManagedServer, start_all
 from megarl.rollout.sglang.client import SGLangClient
 from megarl.trainer import Trainer
 
 
-@pytest.fixture(scope="module")
-def failing_server(moe_dir: Path, tmp_path_factory: pytest.TempPathFactory
-                   ) -> Iterator[ManagedServer]:
-    """An embedded server whose every resume of its weights raises an out-of-memory error."""
-    port = free_port("127.0.0.1")
-    server = ManagedServer(build_local_command(str(moe_dir), port=port, num_threads=1),
-                           f"http://127.0.0.1:{port}", name="engine[oom]",
-                           env={"MEGARL_OOM_AT": "resume_rollout"},
-                           log_path=tmp_path_factory.mktemp("oom_logs") / "engine.log")
-    start_all([server], ready_timeout_s=120)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def test_the_engine_answers_with_the_reason(failing_server, hf_model):
+def test_the_engine_answers_with_the_reason(resume_oom_server, hf_model):
     """500 with SGLang's error body: out of memory, the bytes asked (at least the weights'), the
     bytes free on the device, who holds the rest; the weights stay released."""
-    url = failing_server.url
+    url = resume_oom_server.url
     assert httpx.post(url + "/release_memory_occupation", json={}).status_code == 200
     answer = httpx.post(url + "/resume_memory_occupation", json={"tags": ["weights"]})
     assert answer.status_code == 500
@@ -59,10 +38,10 @@ def test_the_engine_answers_with_the_reason(failing_server, hf_model):
                       json={"tags": ["kv_cache"]}).status_code == 200  # nothing to allocate
 
 
-def test_the_trainer_reports_the_phase_and_its_knobs(failing_server):
+def test_the_trainer_reports_the_phase_and_its_knobs(resume_oom_server):
     """The client raises PhaseOutOfMemory('resume_rollout') naming the engine and the knobs;
     the trainer's reporting passes it on as it is (not as "HTTP 500")."""
-    url = failing_server.url
+    url = resume_oom_server.url
 
     async def resume() -> None:
         client = SGLangClient([url])
