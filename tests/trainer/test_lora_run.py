@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-from trainer_runs import TOTAL_STEPS, assert_same_metrics, run_metrics, train
+from trainer_runs import (
+    TOTAL_STEPS,
+    assert_same_metrics,
+    first_and_last_fifth,
+    fit,
+    run_metrics,
+    train,
+)
 
 from megarl.config import load_config
 from megarl.demo import DEMOS, prepare_demo_assets
@@ -103,15 +110,8 @@ def test_the_lora_demo_learns(seed, tmp_path):
     """`megarl demo --lora` as it runs (seed 0) and with another model, data and trainer seed:
     the reward of the last 20% of the 50 steps exceeds the first 20%'s by 0.15 (measured:
     0.115 -> 0.811 and 0.156 -> 0.802)."""
-    trainer = lora_demo_trainer(tmp_path, seed)
-    try:
-        trainer.setup()
-        history = trainer.fit()
-    finally:
-        trainer.close()
-    scores = [m["critic/score/mean"] for m in history]
-    assert len(scores) == 50
-    k = len(scores) // 5
-    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
-    assert last > first + 0.15, (first, last, scores)
+    history = fit(lora_demo_trainer(tmp_path, seed))
+    assert len(history) == 50
+    first, last = first_and_last_fifth(history, "critic/score/mean")
+    assert last > first + 0.15, (first, last, [m["critic/score/mean"] for m in history])
     assert max(m["training/rollout_probs_diff_max"] for m in history) < 1e-5

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from trainer_runs import first_and_last_fifth, fit
 
 from megarl.config import load_config
 from megarl.demo import DEMO_CONFIG
@@ -112,16 +113,10 @@ def test_grpo_reward_climbs_on_the_demo_task(assets, tmp_path):
     """A shorter demo run (same config): the reward of the last 20% of steps clearly exceeds the
     first 20%'s (about 0.06 -> 0.30 in 30 steps; the demo's 50 reach about 0.6)."""
     steps = 30
-    trainer = make_trainer(assets, tmp_path / "learn", f"trainer.total_steps={steps}")
-    try:
-        trainer.setup()
-        history = trainer.fit()
-    finally:
-        trainer.close()
-    scores = [m["critic/score/mean"] for m in history]
-    k = steps // 5
-    first, last = sum(scores[:k]) / k, sum(scores[-k:]) / k
-    assert last > first + 0.15, (first, last, scores)
+    history = fit(make_trainer(assets, tmp_path / "learn", f"trainer.total_steps={steps}"))
+    assert len(history) == steps
+    first, last = first_and_last_fifth(history, "critic/score/mean")
+    assert last > first + 0.15, (first, last, [m["critic/score/mean"] for m in history])
     assert (tmp_path / "learn" / "run.png").stat().st_size > 10_000
 
 
@@ -328,17 +323,11 @@ def test_the_tools_demo_learns_to_call_the_calculator(tmp_path):
             f"data.val_files=[{root / 'data/val.parquet'}]", f"trainer.output_dir={tmp_path / 'run'}",
             "trainer.loggers=[jsonl]", f"trainer.total_steps={steps}"]
     cfg, sources = load_config(str(spec.config), base)
-    trainer = Trainer(cfg, sources)
-    try:
-        trainer.setup()
-        history = trainer.fit()
-    finally:
-        trainer.close()
-    k = max(1, steps // 5)
+    history = fit(Trainer(cfg, sources))
+    assert len(history) == steps
 
     def rise(key: str) -> tuple[float, float]:
-        values = [m[key] for m in history]
-        return sum(values[:k]) / k, sum(values[-k:]) / k
+        return first_and_last_fifth(history, key)
 
     (first_score, last_score), (first_calls, last_calls) = (
         rise("critic/score/mean"), rise("agent/tool_calls/mean"))

@@ -133,3 +133,20 @@ def assert_same_metrics(got: dict[int, dict[str, float]],
             compared += 1
     assert not wrong, f"{len(wrong)} of {compared} values differ (step, name, got, expected): {wrong}"
     return compared
+
+
+def fit(trainer) -> list[dict[str, float]]:
+    """A Trainer's whole run in this process (setup, fit, close): its per-step metrics."""
+    try:
+        trainer.setup()
+        return trainer.fit()
+    finally:
+        trainer.close()
+
+
+def first_and_last_fifth(history: list[dict[str, float]], key: str) -> tuple[float, float]:
+    """Mean of ``key`` over the first and over the last 20% of the steps (at least one each):
+    how the demos' learning is judged."""
+    values = [m[key] for m in history]
+    k = max(1, len(values) // 5)
+    return sum(values[:k]) / k, sum(values[-k:]) / k
