@@ -232,12 +232,12 @@ def stage_tensors(model: ModelInfo, p: ParallelConfig, stage: int,
 # Parts
 
 
-def _worst_stage(cfg: RunConfig, model: ModelInfo, layout: RoleLayout, p: ParallelConfig,
-                 vocab: int) -> int:
-    """The pipeline stage :func:`~megarl.config.estimates.role_state` reports."""
+def _worst_state(cfg: RunConfig, model: ModelInfo, layout: RoleLayout, p: ParallelConfig,
+                 vocab: int) -> TrainState:
+    """The state of the pipeline stage :func:`~megarl.config.estimates.role_state` reports."""
     states = [train_state(*stage_params(model, p, s, vocab), layout, cfg.model.dtype,
                           cfg.actor.use_distributed_optimizer) for s in range(p.pp)]
-    return max(range(p.pp), key=lambda s: states[s].total)
+    return max(states, key=lambda st: st.total)
 
 
 def _role_parts(role: str, state: TrainState, offload: OffloadConfig) -> list[HostPart]:
@@ -257,20 +257,14 @@ def _train_gpu(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
     """The parts of one train GPU: its ranks' offloaded state, staging, a colocated engine's
     released weights, and the processes."""
     vocab = sizes.padded_vocab_size or model.vocab_size
-    a, st, stage = cfg.actor, est.update.state, est.update.stage
+    a, st = cfg.actor, est.update.state
     parts = _role_parts("actor", st, a.offload)
     processes = TRAIN_PROCESS_BYTES
     if cfg.ref.enabled and sizes.ref is not None and cfg.ref.offload.param_offload:
-        p = cfg.ref.parallel or a.parallel
-        stage = _worst_stage(cfg, model, sizes.ref, p, vocab)
-        ref = train_state(*stage_params(model, p, stage, vocab), sizes.ref, cfg.model.dtype,
-                          a.use_distributed_optimizer)
+        ref = _worst_state(cfg, model, sizes.ref, cfg.ref.parallel or a.parallel, vocab)
         parts.append(HostPart("ref params", ref.weights, arena_round_up(ref.weights)))
     if cfg.critic.enabled and sizes.critic is not None:
-        p = cfg.critic.parallel or a.parallel
-        stage = _worst_stage(cfg, model, sizes.critic, p, vocab)
-        critic = train_state(*stage_params(model, p, stage, vocab), sizes.critic,
-                             cfg.model.dtype, a.use_distributed_optimizer)
+        critic = _worst_state(cfg, model, sizes.critic, cfg.critic.parallel or a.parallel, vocab)
         parts += _role_parts("critic", critic, cfg.critic.offload)
         processes += TRAIN_PROCESS_BYTES
     if cfg.trainer.async_save:
