@@ -93,8 +93,11 @@ class RolloutConfig(Section):
     quantization: Literal["fp8"] | None = Field(None, description=(
         "weights the engines compute with: null = `rollout.dtype`; fp8 = blockwise FP8 "
         "(e4m3, 128x128 `weight_scale_inv` blocks, the format of DeepSeek-V3 / Qwen3 FP8 "
-        "releases; docs/fp8.md), quantized on the train side at every weight sync. fp8 is "
-        "refused: not built in this version"))
+        "releases; docs/fp8.md), quantized on the train side at every weight sync and "
+        "computed w8a8 (1x128 activation groups); the embedded engine (rollout.backend=local) "
+        "runs it, SGLang engines are refused (not built yet). With fp8, "
+        "algorithm.rollout_correction.rollout_is defaults to token and the health monitor's "
+        "mismatch alarm to the FP8 baseline"))
     api_key: str | None = Field(None, repr=False, description=(
         "key every HTTP endpoint of the engines requires (`Authorization: Bearer <key>`), "
         "weight updates and control included; required when `host` is not a loopback "
@@ -167,7 +170,9 @@ class RolloutCorrectionConfig(Section):
 
     rollout_is: Literal["token", "sequence"] | None = Field(None, description=(
         "importance-sampling weights pi_old / mu per token or per sequence; null = off "
-        "(metrics are still logged)"))
+        "(metrics are still logged). Left unset with rollout.quantization=fp8 it is token "
+        "(truncated IS at rollout_is_threshold): FP8 generation widens the engine/trainer "
+        "mismatch; an explicit null keeps it off"))
     rollout_is_threshold: float | str = Field(2.0, description=(
         "a number: the weights are truncated at it (TIS); 'lower_upper' (e.g. '0.5_2.0', "
         "quoted): IcePop, weights whose ratio lies outside [lower, upper] are set to 0 and the "
@@ -463,6 +468,9 @@ class RunConfig(Section):
             self.rollout.enable_return_routed_experts = actor.router_replay.mode == "R3"
         if self.rollout.dtype is None:
             self.rollout.dtype = self.model.dtype
+        correction = self.algorithm.rollout_correction
+        if self.rollout.quantization == "fp8" and "rollout_is" not in correction.model_fields_set:
+            correction.rollout_is = "token"  # FP8 rollout: truncated IS unless set (docs/fp8.md)
         for offload in (actor.offload, self.critic.offload):  # colocated: off the GPU
             if offload.grad_offload is None:
                 offload.grad_offload = self.rollout.colocate

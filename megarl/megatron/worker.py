@@ -345,15 +345,14 @@ class ActorWorker(Worker):
             close_weight_update_group(self.weight_group)
             self.weight_group = None
 
-    def broadcast_weights(self, dtype: str, plan: list[BucketSpec]) -> int:
+    def broadcast_weights(self, plan: list[BucketSpec]) -> int:
         """Export HF-named tensors (collective over the train pool); rank 0 broadcasts each
-        bucket of ``plan`` as one flat buffer over the weight group (SGLang's
-        ``flattened_bucket``). Returns the bytes sent."""
+        bucket of ``plan`` (in its dtypes, or quantized to block FP8) as one flat buffer over
+        the weight group (SGLang's ``flattened_bucket``). Returns the bytes sent."""
         group = self.weight_group if self.rank == 0 else None
-        return broadcast_buckets(self._export(), plan, DTYPES[dtype], group,
-                                 torch.device(self.device))
+        return broadcast_buckets(self._export(), plan, group, torch.device(self.device))
 
-    def send_weights_colocated(self, dtype: str, plan: list[BucketSpec], urls: list[str],
+    def send_weights_colocated(self, plan: list[BucketSpec], urls: list[str],
                                gpus_per_engine: int, version: str, api_key: str | None,
                                timeout_s: float) -> dict[str, float]:
         """Export HF-named tensors (collective) and hand each bucket of ``plan`` to the engine
@@ -368,8 +367,7 @@ class ActorWorker(Worker):
                                      api_key=api_key, timeout_s=timeout_s)
             self._colocated = (key, sender)
         sender = self._colocated[1]
-        sent = sender.send(self._export(), plan, DTYPES[dtype], torch.device(self.device),
-                           version)
+        sent = sender.send(self._export(), plan, torch.device(self.device), version)
         return {"bytes": float(sent), **{f"{k}_s": v for k, v in sender.seconds.items()}}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -41,12 +41,25 @@ class HealthThresholds:
     """actor/pg_clipfrac above this: learning rate too high."""
     rollout_probs_diff_max: float = 0.01
     """training/rollout_probs_diff_mean above this: engine and trainer disagree."""
+    rollout_precision: str = "bf16"
+    """What the engines compute in, named in the mismatch alarm's normal range."""
     window: int = 10
     """Steps of history for the sudden-change alarms."""
     min_history: int = 5
     """Steps of history needed before a sudden-change alarm can fire."""
     z: float = 4.0
     """Standard deviations of the recent values a sudden change must exceed."""
+
+
+FP8_ROLLOUT_THRESHOLDS = {"rollout_probs_diff_max": 0.03, "rollout_precision": "fp8 rollout"}
+"""The mismatch alarm with FP8 generation (``rollout.quantization: fp8``): 3x the bf16 bound
+(docs/fp8.md has the measurements behind it)."""
+
+
+def thresholds_for(clip_ratio: float, quantization: str | None) -> HealthThresholds:
+    """The run's alarm limits: the defaults, its PPO clip ratio, the FP8 mismatch baseline."""
+    fp8 = FP8_ROLLOUT_THRESHOLDS if quantization == "fp8" else {}
+    return HealthThresholds(clip_ratio=clip_ratio, **fp8)
 
 
 @dataclass(frozen=True)
@@ -187,7 +200,7 @@ def default_alarms(t: HealthThresholds) -> list[ThresholdAlarm | SuddenChangeAla
         ThresholdAlarm(
             "rollout_probs_diff", ("training/rollout_probs_diff_mean",),
             t.rollout_probs_diff_max, above=True,
-            normal=f"< {t.rollout_probs_diff_max:g} (bf16), ~0 in fp32",
+            normal=f"< {t.rollout_probs_diff_max:g} ({t.rollout_precision}), ~0 in fp32",
             knob="engine and trainer log-probs disagree: check the weight sync, router replay "
                  "for MoE (R2/R3) and rollout dtype; set algorithm.rollout_correction.rollout_is"),
     ]

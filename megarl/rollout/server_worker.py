@@ -48,18 +48,29 @@ class EngineSpec:
     """Key the server requires on every endpoint (``rollout.api_key``); never printed."""
     trust_remote_code: bool = False
     """Let the engine load custom code shipped with the model (``model.trust_remote_code``)."""
+    quantization: str | None = None
+    """``fp8``: the embedded engine holds its projections in block FP8 (``rollout.quantization``;
+    docs/fp8.md)."""
+
+
+def local_engine_args(spec: EngineSpec) -> list[str]:
+    """The embedded server's arguments for the settings every device shares."""
+    extra = ["--dtype", spec.dtype]
+    if spec.trust_remote_code:
+        extra.append("--trust-remote-code")
+    if spec.quantization:
+        extra += ["--quantization", spec.quantization]
+    return extra
 
 
 def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> list[str]:
     """The argv that starts the engine of ``rank`` (the embedded server or SGLang's)."""
     if spec.backend == "local":
-        extra = ["--dtype", spec.dtype]
+        extra = local_engine_args(spec)
         if spec.mem_fraction is not None and device == "cuda":
             extra += ["--mem-fraction-static", str(spec.mem_fraction)]
         if spec.max_running_requests:
             extra += ["--max-running-requests", str(spec.max_running_requests)]
-        if spec.trust_remote_code:
-            extra.append("--trust-remote-code")
         seed = None if spec.seed is None else spec.seed + rank
         return build_local_command(spec.model_path, host=spec.host, port=port,
                                    device="cuda" if device == "cuda" else "cpu",

@@ -20,7 +20,7 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32, "float": torch.float32, "float16": torch.float16,
     "half": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
     "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8,
-    "uint8": torch.uint8, "bool": torch.bool,
+    "uint8": torch.uint8, "bool": torch.bool, "float8_e4m3fn": torch.float8_e4m3fn,
 }
 
 

@@ -14,7 +14,7 @@ from megarl.algo import KLController, make_kl_controller
 from megarl.config import RunConfig
 from megarl.config.render import render_config
 from megarl.faults import fail_point
-from megarl.metrics.health import HealthMonitor, HealthThresholds, NonFiniteGuard
+from megarl.metrics.health import HealthMonitor, NonFiniteGuard, thresholds_for
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
 from megarl.rollout.agent import AgentLoop, AgentSettings
 from megarl.trainer.checkpoint import resume_run
@@ -66,8 +66,8 @@ class TrainerBase:
                                      timeout_s=cfg.reward.timeout_s,
                                      format_score=cfg.reward.format_score)
         self.workers = build_workers(cfg, self.output_dir)
-        self.health = HealthMonitor(thresholds=HealthThresholds(
-            clip_ratio=cfg.actor.clip_ratio_high))
+        self.health = HealthMonitor(thresholds=thresholds_for(cfg.actor.clip_ratio_high,
+                                                              cfg.rollout.quantization))
         resumed_step = resume_run(self)
         loggers = cfg.trainer.loggers if self.is_driver else []
         self.tracker = MultiTracker.from_names(loggers, TrackerSettings(

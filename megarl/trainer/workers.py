@@ -26,7 +26,6 @@ from megarl.faults import fail_point
 from megarl.megatron.offload import OffloadSettings
 from megarl.megatron.parallel import ParallelSizes
 from megarl.megatron.settings import (
-    DTYPES,
     ActorSpec,
     LoraSettings,
     LossSettings,
@@ -34,7 +33,7 @@ from megarl.megatron.settings import (
     recompute_settings,
 )
 from megarl.rollout.routed_experts import RoutedExpertsLayout
-from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker
+from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker, local_engine_args
 from megarl.rollout.sglang import SGLangClient
 from megarl.trainer.critic import CriticWorkers, start_critic
 from megarl.weights.flattened import FLATTENED_BUCKET
@@ -143,7 +142,8 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       gpus_per_engine=r.gpus_per_engine, mem_fraction=r.gpu_memory_utilization,
                       return_routed_experts=bool(r.enable_return_routed_experts),
                       colocated=r.colocate, api_key=r.api_key,
-                      trust_remote_code=cfg.model.trust_remote_code)
+                      trust_remote_code=cfg.model.trust_remote_code,
+                      quantization=r.quantization)
 
 
 class _DriverHttp:
@@ -194,14 +194,14 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
     dtype = cfg.rollout.dtype or cfg.model.dtype
     timeout = cfg.trainer.phase_timeout_s
     gpus = cfg.rollout.gpus_per_engine
-    plan = plan_buckets(actor.execute_all("weight_specs")[0], DTYPES[dtype].itemsize,
-                        cfg.checkpoint_engine.bucket_size_mb)
+    plan = plan_buckets(actor.execute_all("weight_specs")[0], dtype,
+                        cfg.checkpoint_engine.bucket_size_mb, cfg.rollout.quantization)
     if weight_sync_backend(cfg) == "ipc":
         def sync_colocated(version: str, restart: list[int] | tuple[int, ...] = ()
                            ) -> dict[str, float]:
             if restart:
                 rollout.execute_all("restart", [urls[i] for i in restart], timeout)
-            ranks = actor.execute_all("send_weights_colocated", dtype, plan, urls, gpus,
+            ranks = actor.execute_all("send_weights_colocated", plan, urls, gpus,
                                       version, cfg.rollout.api_key, timeout)
             return {"checkpoint_engine/bytes": sum(r["bytes"] for r in ranks),
                     "checkpoint_engine/pack_s": max(r["pack_s"] for r in ranks),
@@ -216,7 +216,6 @@ def _broadcast_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], i
     """Open the weight-update group (train rank 0 + every engine GPU: engine i's TP rank r is
     ``1 + i * gpus_per_engine + r``) and return the broadcast sync function."""
     backend = "nccl" if device == "cuda" else "gloo"
-    dtype = cfg.rollout.dtype or cfg.model.dtype
     timeout = cfg.trainer.phase_timeout_s
     gpus = cfg.rollout.gpus_per_engine
     world = 1 + len(urls) * gpus
@@ -248,12 +247,13 @@ def _broadcast_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], i
             for k, bucket in enumerate(plan):
                 last = k == len(plan) - 1
                 await client.update_weights_from_distributed(
-                    [n for n, _ in bucket], [dtype] * len(bucket), [s for _, s in bucket],
+                    [n for n, _, _ in bucket], [d for _, _, d in bucket],
+                    [s for _, s, _ in bucket],
                     weight_version=version if last else None, flush_cache=last,
                     load_format=FLATTENED_BUCKET)
 
         receiving = _DriverHttp(urls, receive if is_driver else None, cfg.rollout.api_key, gpus)
-        sent = actor.execute_all("broadcast_weights", dtype, plan)[0]
+        sent = actor.execute_all("broadcast_weights", plan)[0]
         receiving.join(timeout, "sync_weights")
         return {"checkpoint_engine/bytes": float(sent)}
 
@@ -461,8 +461,7 @@ def build_naive_workers(cfg: RunConfig, output_dir: Path) -> Workers:
         servers = launch_local_engines(
             cfg.model.path, num_engines, host=spec.host, device=ctx.device,
             num_threads=spec.num_threads, log_dir=spec.log_dir, api_key=spec.api_key,
-            seed=spec.seed, extra_args=["--dtype", spec.dtype,
-                                        *(["--trust-remote-code"] * spec.trust_remote_code)])
+            seed=spec.seed, extra_args=local_engine_args(spec))
     box = [[s.url for s in servers]]
     dist.broadcast_object_list(box, src=0)
     from megarl.megatron.worker import ActorWorker  # this process is a train rank

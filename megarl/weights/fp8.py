@@ -56,7 +56,12 @@ def is_quantized_weight(name: str, tensor: torch.Tensor, ignored: Sequence[str] 
     attention or MLP/expert projection (:data:`QUANTIZED_PROJECTIONS`), unless its module name
     contains one of ``ignored`` (config.json's ``ignored_layers`` / ``modules_to_not_convert``,
     matched as SGLang's ``is_layer_skipped`` does: by substring)."""
-    if tensor.dim() != 2 or not name.endswith(".weight"):
+    return is_quantized_shape(name, tensor.shape, ignored)
+
+
+def is_quantized_shape(name: str, shape: Sequence[int], ignored: Sequence[str] = ()) -> bool:
+    """:func:`is_quantized_weight` for a tensor of ``shape`` not at hand (a weight-sync plan)."""
+    if len(shape) != 2 or not name.endswith(".weight"):
         return False
     module = name.removesuffix(".weight")
     projection = module.rsplit(".", 1)[-1]

@@ -26,51 +26,99 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.weights.buckets import dtype_name, parse_dtype
 from megarl.weights.flattened import FLATTENED_BUCKET, flatten_into, serialize
+from megarl.weights.fp8 import (
+    FP8_DTYPE,
+    is_quantized_shape,
+    quantize_blockwise,
+    scale_name,
+    scale_shape,
+)
 
-BucketSpec = list[tuple[str, list[int]]]
-"""One bucket of a plan: (HF name, shape) of each tensor, in export order."""
+BucketSpec = list[tuple[str, list[int], str]]
+"""One bucket of a plan: (HF name, shape, dtype sent) of each tensor, in send order."""
 
 
-def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], itemsize: int,
-                 bucket_size_mb: int) -> list[BucketSpec]:
-    """Group tensors in export order into buckets of at most ``bucket_size_mb`` (a larger
-    tensor gets a bucket of its own)."""
+def sent_specs(specs: Sequence[tuple[str, Sequence[int]]], dtype: str,
+               quantization: str | None = None) -> list[BucketSpec]:
+    """What the engines receive for each exported (name, shape), as one group per tensor: the
+    tensor in ``dtype``, or with ``quantization="fp8"`` a weight that FP8 checkpoints quantize
+    as its ``float8_e4m3fn`` weight followed by its fp32 ``weight_scale_inv`` (docs/fp8.md)."""
+    groups = []
+    for name, shape in specs:
+        if quantization == "fp8" and is_quantized_shape(name, shape):
+            groups.append([(name, list(shape), dtype_name(FP8_DTYPE)),
+                           (scale_name(name), list(scale_shape(shape)), "float32")])
+        elif quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={quantization!r}: use fp8 or null")
+        else:
+            groups.append([(name, list(shape), dtype)])
+    return groups
+
+
+def _entry_bytes(entry: tuple[str, Sequence[int], str]) -> int:
+    return parse_dtype(entry[2]).itemsize * torch.Size(entry[1]).numel()
+
+
+def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], dtype: str, bucket_size_mb: int,
+                 quantization: str | None = None) -> list[BucketSpec]:
+    """Group the tensors sent for ``specs`` (:func:`sent_specs`), in export order, into buckets
+    of at most ``bucket_size_mb`` (a larger tensor gets a bucket of its own; a weight and its
+    scale share one). Raises when a tensor would start at a byte offset its dtype cannot be
+    viewed at: the receiver of a broadcast lays a bucket out back to back, as SGLang does."""
     limit = bucket_size_mb * 2**20
     buckets: list[BucketSpec] = [[]]
     used = 0
-    for name, shape in specs:
-        size = itemsize * torch.Size(shape).numel()
+    for group in sent_specs(specs, dtype, quantization):
+        size = sum(_entry_bytes(e) for e in group)
         if buckets[-1] and used + size > limit:
             buckets.append([])
             used = 0
-        buckets[-1].append((name, list(shape)))
+        buckets[-1].extend(group)
         used += size
-    return [b for b in buckets if b]
+    plan = [b for b in buckets if b]
+    for bucket in plan:
+        offset = 0
+        for entry in bucket:
+            if offset % parse_dtype(entry[2]).itemsize:
+                raise ValueError(f"weight sync: {entry[0]} ({entry[2]}) would start at byte "
+                                 f"{offset} of its bucket, not a multiple of its element size; "
+                                 "the tensor before it has an odd number of bytes")
+            offset += _entry_bytes(entry)
+    return plan
 
 
-def bucket_bytes(bucket: BucketSpec, itemsize: int) -> int:
-    """Bytes of one bucket's tensors in the sent dtype. Every tensor of a bucket has that one
-    dtype, so ``flatten_into`` pads nothing and this is its exact size; it also matches the
-    unpadded ``bucket_metadata`` the receiver of a broadcast uses (buckets of mixed dtypes would
-    need ``flattened_size`` and break that match)."""
-    return sum(itemsize * torch.Size(shape).numel() for _, shape in bucket)
+def bucket_bytes(bucket: BucketSpec) -> int:
+    """Bytes of one bucket's tensors as sent. :func:`plan_buckets` leaves every tensor aligned,
+    so ``flatten_into`` pads nothing and this is its exact size; it also matches the unpadded
+    ``bucket_metadata`` the receiver of a broadcast uses."""
+    return sum(_entry_bytes(e) for e in bucket)
 
 
-def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
-                 dtype: torch.dtype) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The export's tensors, cast to ``dtype``, grouped as ``plan`` says; raises when the
-    export does not yield the planned tensors (a plan made for another model or layout)."""
+def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec]
+                 ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The export's tensors as ``plan`` sends them (cast to the planned dtype, or quantized to
+    block FP8 with the scale after the weight, on the tensor's device), grouped in its buckets;
+    raises when the export does not yield the planned tensors (a plan made for another model
+    or layout)."""
     items = iter(named)
     for index, bucket in enumerate(plan):
-        out = []
-        for name, shape in bucket:
+        out: list[tuple[str, torch.Tensor]] = []
+        entries = iter(bucket)
+        for name, shape, dtype in entries:
             got = next(items, None)
             if got is None or got[0] != name or list(got[1].shape) != list(shape):
                 found = "nothing" if got is None else f"{got[0]} {list(got[1].shape)}"
                 raise RuntimeError(f"weight sync: bucket {index} expects {name} {shape}, the "
                                    f"export yielded {found}; the plan is stale")
-            out.append((name, got[1].detach().to(dtype)))
+            tensor = got[1].detach()
+            if parse_dtype(dtype) == FP8_DTYPE:
+                weight, scale = quantize_blockwise(tensor)
+                scale_entry = next(entries)
+                out += [(name, weight), (scale_entry[0], scale)]
+            else:
+                out.append((name, tensor.to(parse_dtype(dtype))))
         yield out
     extra = next(items, None)
     if extra is not None:
@@ -78,24 +126,22 @@ def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[Bucke
                            "tensor; the plan is stale")
 
 
-def _bucket_buffer(plan: Sequence[BucketSpec], itemsize: int, device: torch.device
-                   ) -> torch.Tensor:
-    size = max(bucket_bytes(b, itemsize) for b in plan)
+def _bucket_buffer(plan: Sequence[BucketSpec], device: torch.device) -> torch.Tensor:
+    size = max(bucket_bytes(b) for b in plan)
     return torch.empty(size, dtype=torch.uint8, device=device)
 
 
 def broadcast_buckets(named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
-                      dtype: torch.dtype, group: dist.ProcessGroup | None,
-                      device: torch.device) -> int:
+                      group: dist.ProcessGroup | None, device: torch.device) -> int:
     """Rank 0 of the weight group (``group`` given) broadcasts each bucket's flat bytes; other
     train ranks (``group=None``) only take part in the export. Returns the bytes sent."""
     buffer = None
     sent = 0
-    for bucket in iter_buckets(named, plan, dtype):
+    for bucket in iter_buckets(named, plan):
         if group is None:
             continue
         if buffer is None:
-            buffer = _bucket_buffer(plan, dtype.itemsize, device)
+            buffer = _bucket_buffer(plan, device)
         flat = flatten_into(buffer, bucket)["flattened_tensor"]
         dist.broadcast(flat, src=0, group=group)
         sent += flat.numel()
@@ -169,15 +215,15 @@ class ColocatedSender:
         return mine
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
-             dtype: torch.dtype, device: torch.device, version: str) -> int:
+             device: torch.device, version: str) -> int:
         """Send every bucket of ``plan``; the last one carries ``version``. Returns the bytes
         this rank packed."""
-        buffers = [_bucket_buffer(plan, dtype.itemsize, device) for _ in range(min(2, len(plan)))]
+        buffers = [_bucket_buffer(plan, device) for _ in range(min(2, len(plan)))]
         pending: _Post | None = None
         sent = 0
         self.seconds = {"pack": 0.0, "engine": 0.0}
         start = time.perf_counter()
-        for index, bucket in enumerate(iter_buckets(named, plan, dtype)):
+        for index, bucket in enumerate(iter_buckets(named, plan)):
             # buffers[index % 2] held bucket index-2, whose reply came before bucket index-1
             # was posted: at most two buckets exist, one in flight and one being packed
             payload = flatten_into(buffers[index % 2], bucket)

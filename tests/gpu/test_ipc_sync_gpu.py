@@ -58,11 +58,11 @@ def test_a_large_model_arrives_bit_exact_over_cuda_ipc(model_dir, tmp_path):
         named = [(n, t.to("cuda", torch.bfloat16)) for n, t in iter_safetensors(model_dir)]
         total = sum(t.numel() * 2 for _, t in named)
         assert total > 0.7e9
-        plan = plan_buckets([(n, list(t.shape)) for n, t in named], 2, 256)
+        plan = plan_buckets([(n, list(t.shape)) for n, t in named], "bfloat16", 256)
         sender = ColocatedSender(0, 1, [server.url], 1)
         torch.cuda.synchronize()
         start = time.perf_counter()
-        sent = sender.send(iter(named), plan, torch.bfloat16, torch.device("cuda"), "ipc-1")
+        sent = sender.send(iter(named), plan, torch.device("cuda"), "ipc-1")
         seconds = time.perf_counter() - start
         sender.close()
         assert sent == total

@@ -109,6 +109,44 @@ def test_three_steps_sync_weights_report_every_metric_and_penalise_kl(assets, tm
         assert math.isfinite(metrics["actor/reward_kl_penalty"])
 
 
+def test_fp8_rollout_engine_holds_the_quantized_actor_and_the_mismatch_is_corrected(
+        assets, tmp_path):
+    """``rollout.quantization=fp8`` on the embedded engine: rollout correction turns on by
+    default (token-level TIS); after each sync the engine holds exactly the blockwise FP8
+    quantization of the actor's export (weights and ``weight_scale_inv``) and every other
+    tensor as exported; the engine's FP8 log-probs differ from the fp32 trainer's, by less than
+    the health monitor's FP8 baseline, and the IS weights see that difference."""
+    from megarl.weights.fp8 import is_quantized_weight, quantize_blockwise, scale_name
+
+    trainer = make_trainer(assets, tmp_path / "fp8", "trainer.total_steps=2",
+                           "data.train_batch_size=8", "rollout.n=4",
+                           "actor.ppo_mini_batch_size=8", "rollout.quantization=fp8")
+    try:
+        trainer.setup()
+        assert trainer.cfg.algorithm.rollout_correction.rollout_is == "token"
+        assert trainer.health.thresholds.rollout_precision == "fp8 rollout"
+        for step in (1, 2):
+            metrics = trainer.step(trainer.loader.next_batch())
+            assert 1e-6 < metrics["training/rollout_probs_diff_mean"] < \
+                trainer.health.thresholds.rollout_probs_diff_max, metrics
+            assert metrics["rollout_corr/rollout_is_std"] > 0  # the weights are not all 1
+            assert metrics["rollout_corr/rollout_is_max"] != 1.0
+            expected = {}
+            for name, tensor in trainer.workers.actor.execute_all("hf_state_dict")[0].items():
+                if is_quantized_weight(name, tensor):
+                    weight, scale = quantize_blockwise(tensor)
+                    expected[name], expected[scale_name(name)] = weight.float(), scale
+                else:
+                    expected[name] = tensor.float()
+            assert sum(n.endswith("_scale_inv") for n in expected) >= 8
+            on_engine = engine_weights(trainer, list(expected))
+            for name, tensor in expected.items():
+                assert torch.equal(on_engine[name].reshape(tensor.shape), tensor), name
+            assert trainer.run(trainer.workers.client.get_weight_version()) == [str(step)]
+    finally:
+        trainer.close()
+
+
 def test_grpo_reward_climbs_on_the_demo_task(assets, tmp_path):
     """A shorter demo run (same config): the reward of the last 20% of steps clearly exceeds the
     first 20%'s (about 0.06 -> 0.30 in 30 steps; the demo's 50 reach about 0.6)."""

@@ -32,11 +32,11 @@ def send_on_rank(model_dir: str, urls: list[str], gpus_per_engine: int, scale: f
 
     rank = dist.get_rank()
     named = [(n, t * scale ** rank) for n, t in iter_safetensors(model_dir)]
-    plan = plan_buckets([(n, list(t.shape)) for n, t in named], 4, bucket_mb)
+    plan = plan_buckets([(n, list(t.shape)) for n, t in named], "float32", bucket_mb)
     assert len(plan) >= 3  # several buckets, so two buffers take turns
     sender = ColocatedSender(rank, dist.get_world_size(), urls, gpus_per_engine)
     try:
-        return sender.send(iter(named), plan, torch.float32, torch.device("cpu"), "v7")
+        return sender.send(iter(named), plan, torch.device("cpu"), "v7")
     finally:
         sender.close()
 
@@ -103,9 +103,59 @@ def send_stale_plan(model_dir: str, urls: list[str]) -> int:
     from megarl.weights.sglang_sender import ColocatedSender, plan_buckets
 
     named = list(iter_safetensors(model_dir))
-    plan = plan_buckets([(n, list(t.shape)) for n, t in named] + [("extra.weight", [2])], 4, 1)
+    plan = plan_buckets([(n, list(t.shape)) for n, t in named] + [("extra.weight", [2])],
+                        "float32", 1)
     sender = ColocatedSender(dist.get_rank(), 2, urls, 1)
     try:
-        return sender.send(iter(named), plan, torch.float32, torch.device("cpu"), "stale")
+        return sender.send(iter(named), plan, torch.device("cpu"), "stale")
     finally:
         sender.close()
+
+
+def send_fp8_on_rank(model_dir: str, urls: list[str]) -> int:
+    """One rank sends model ``model_dir``'s tensors to an FP8 engine, quantized by the plan."""
+    import torch.distributed as dist
+
+    from megarl.weights.sglang_sender import ColocatedSender, plan_buckets
+
+    named = list(iter_safetensors(model_dir))
+    plan = plan_buckets([(n, list(t.shape)) for n, t in named], "float32", 0.002,
+                        quantization="fp8")
+    assert len(plan) >= 3
+    sender = ColocatedSender(dist.get_rank(), 1, urls, 1)
+    try:
+        return sender.send(iter(named), plan, torch.device("cpu"), "fp8-1")
+    finally:
+        sender.close()
+
+
+def test_an_fp8_engine_receives_the_blockwise_quantization_of_what_was_sent(
+        models, tmp_path_factory):
+    """rollout.quantization=fp8 over the colocated path: the engine (``--quantization fp8``)
+    then holds, bit for bit, ``quantize_blockwise`` of every projection the plan quantizes,
+    with its scale, and every other tensor in fp32; the bytes sent are those fp8 + fp32 ones."""
+    from megarl.weights.fp8 import is_quantized_weight, quantize_blockwise, scale_name
+
+    a_dir, b_dir = models
+    engine = launch_local_engines(str(a_dir), 1, num_threads=1, extra_args=[
+        "--quantization", "fp8"], log_dir=tmp_path_factory.mktemp("fp8_logs"),
+        ready_timeout_s=120)[0]
+    try:
+        sent = run_on_ranks(1, send_fp8_on_rank, str(b_dir), [engine.url])[0]
+        expected = {}
+        for name, tensor in iter_safetensors(b_dir):
+            if is_quantized_weight(name, tensor):
+                weight, scale = quantize_blockwise(tensor)
+                expected[name], expected[scale_name(name)] = weight.float(), scale
+            else:
+                expected[name] = tensor
+        held, version = engine_tensors(engine.url, list(expected))
+    finally:
+        engine.stop()
+    assert version == "fp8-1"
+    quantized = [n for n in expected if n.endswith("_scale_inv")]
+    assert any(".experts." in n for n in quantized) and any("q_proj" in n for n in quantized)
+    assert sent == sum(t.numel() * (1 if n in {q.removesuffix("_scale_inv") for q in quantized}
+                                    else 4) for n, t in expected.items())
+    for name, tensor in expected.items():
+        assert torch.equal(held[name], tensor), name

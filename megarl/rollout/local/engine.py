@@ -37,6 +37,7 @@ import torch
 
 from megarl.faults import engine_step_delay, oom_point
 from megarl.rollout.interface import PauseMode, SamplingParams
+from megarl.rollout.local.fp8_layers import gemm_backend
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampling, sample_next
 
@@ -230,7 +231,8 @@ class LocalEngine:
         return {"num_running_reqs": running, "num_waiting_reqs": len(self._waiting),
                 "paused": self.paused, "released": sorted(self.released),
                 "weight_version": self.weight_version, "generation_steps": self.steps,
-                "oom_recoveries": self.oom_recoveries}
+                "oom_recoveries": self.oom_recoveries,
+                "fp8_gemm": gemm_backend() if self.runner.quantization else None}
 
     @property
     def busy(self) -> bool:

@@ -20,7 +20,10 @@ def alias_concat(linears: list[nn.Module]) -> tuple[torch.Tensor, torch.Tensor |
     """Concatenate the weights (and biases) of ``linears`` along the output features into one
     tensor and make each module's parameters views of it: one GEMM then computes all of them,
     and weights written into the modules in place (weight updates) land in the fused tensor.
-    None when the modules differ in having a bias."""
+    None when the modules differ in having a bias, or are not plain ``nn.Linear`` (an FP8
+    layer's weight is not a GEMM operand of its own)."""
+    if not all(type(m) is nn.Linear for m in linears):
+        return None
     biases = [m.bias for m in linears]
     if len({b is None for b in biases}) > 1:
         return None

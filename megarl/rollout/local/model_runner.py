@@ -29,6 +29,7 @@ from typing import Literal
 import torch
 from torch import nn
 
+from megarl.rollout.local.fp8_layers import Fp8Experts, quantize_model
 from megarl.rollout.local.sampling import FusedSampling
 from megarl.rollout.local.static_kv import NativeDecoder, PrefillKV, native_unsupported_reason
 
@@ -145,7 +146,8 @@ class ModelRunner:
 
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto",
                  context_length: int | None = None, backend: Backend = "auto",
-                 cuda_graphs: bool = True, trust_remote_code: bool = False) -> None:
+                 cuda_graphs: bool = True, trust_remote_code: bool = False,
+                 quantization: str | None = None) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -157,6 +159,12 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=self.dtype, trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
+        if quantization not in (None, "fp8"):
+            raise ValueError(f"quantization={quantization!r}: the embedded engine runs fp8 or "
+                             "none (null)")
+        self.quantization = quantization
+        if quantization == "fp8":  # block-FP8 projections, computed w8a8 (fp8_layers)
+            quantize_model(self.model)
         self.config = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = int(context_length or getattr(
@@ -174,6 +182,8 @@ class ModelRunner:
         if backend not in ("auto", "hf", "native"):
             raise ValueError(f"backend={backend!r}: choose 'auto', 'hf' or 'native'")
         reason = native_unsupported_reason(self.model)
+        if reason is None and any(isinstance(m, Fp8Experts) for m in self.model.modules()):
+            reason = "FP8 experts (the block-FP8 grouped GEMM of the decode path is not built)"
         if backend == "native" and reason is not None:
             raise ValueError(f"backend='native' cannot run {self.model_path}: {reason}; use 'hf'")
         if backend == "hf" or (backend == "auto" and (self.device.type != "cuda" or reason)):

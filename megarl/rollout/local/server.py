@@ -425,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default="auto", help="auto: checkpoint dtype on GPU, fp32 on CPU")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="fp8: block-FP8 projections (e4m3 weights, 128x128 weight_scale_inv), "
+                        "computed w8a8; weight updates must send FP8 weights and their scales")
     p.add_argument("--context-length", type=int, default=None,
                    help="max prompt + response tokens (default: max_position_embeddings)")
     p.add_argument("--max-running-requests", type=int, default=256,
@@ -461,7 +464,8 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     :func:`serve_main`, which owns its process)."""
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                          context_length=args.context_length,
-                         trust_remote_code=args.trust_remote_code)
+                         trust_remote_code=args.trust_remote_code,
+                         quantization=args.quantization)
     budget = kv_token_budget(args, runner)
     engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
                          max_prefill_tokens=args.max_prefill_tokens,

@@ -18,6 +18,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from megarl.rollout.local.fp8_layers import expert_scale_view
+from megarl.weights.fp8 import FP8_DTYPE, SCALE_SUFFIX
+
 
 class UnknownWeight(KeyError):
     """A weight name that is neither a checkpoint name nor a parameter of the model."""
@@ -72,6 +75,22 @@ class WeightMap:
                                      f"parameter {name}; this model's weight conversion is not "
                                      "supported by the embedded engine")
                 self._specs[ckpt_name] = (name, *spec)
+        self._add_expert_scales()
+
+    def _add_expert_scales(self) -> None:
+        """Checkpoint names of the block-FP8 experts' scales (``experts.3.gate_proj.
+        weight_scale_inv``): views of the fused ``<param>_scale_inv`` at the block rows of the
+        expert's weight view (:mod:`megarl.rollout.local.fp8_layers`)."""
+        for ckpt_name, (live_name, size, stride, offset) in list(self._specs.items()):
+            scale_name = live_name + SCALE_SUFFIX
+            if scale_name not in self._live or self._live[live_name].dim() != 3:
+                continue  # a 2-D FP8 weight's scale is a parameter under its own name
+            spec = expert_scale_view(tuple(self._live[live_name].shape),
+                                     tuple(self._live[scale_name].shape), size, stride, offset)
+            if spec is None:
+                raise ValueError(f"checkpoint tensor {ckpt_name} is not a block of rows of "
+                                 f"{live_name}; its FP8 scales cannot be located")
+            self._specs[ckpt_name + SCALE_SUFFIX] = (scale_name, *spec)
 
     def checkpoint_names(self) -> list[str]:
         """Names as they appear in the model's HF checkpoint (what trainers send)."""
@@ -95,6 +114,10 @@ class WeightMap:
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"weight {name}: got shape {tuple(tensor.shape)}, the model has "
                              f"{tuple(target.shape)}")
+        if target.dtype == FP8_DTYPE and tensor.dtype != FP8_DTYPE:
+            raise ValueError(f"weight {name}: the engine holds it in float8_e4m3fn "
+                             f"(--quantization fp8) and got {tensor.dtype}; send FP8 weights "
+                             "with their weight_scale_inv (rollout.quantization: fp8)")
         target.copy_(tensor.to(device=target.device, dtype=target.dtype))
 
     def live_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -145,8 +168,8 @@ class WeightsChecker:
         """Overwrite every floating-point tensor with random values."""
         count = 0
         for _, tensor in self._weights.live_tensors():
-            if tensor.is_floating_point():
-                tensor.normal_()
+            if tensor.is_floating_point():  # FP8 has no normal_: drawn in fp32, then cast
+                tensor.copy_(torch.randn(tensor.shape, device=tensor.device))
                 count += 1
         return f"{count} tensors overwritten with random values"
 

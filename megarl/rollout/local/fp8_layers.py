@@ -1,0 +1,277 @@
+"""FP8 weights in the embedded engine (``--quantization fp8``, issue 31).
+
+With ``--quantization fp8`` the engine holds every projection that an FP8 checkpoint stores in
+FP8 (:func:`megarl.weights.fp8.is_quantized_weight`: attention q/k/v/o, dense and expert
+gate/up/down) as ``float8_e4m3fn`` weights with fp32 ``weight_scale_inv`` of 128x128 blocks,
+the format of DeepSeek-V3's and Qwen3's FP8 releases and of SGLang's block-FP8 servers, so a
+weight sync sends it exactly what it sends such a server (``docs/fp8.md``). Embeddings, norms,
+the router and the LM head stay in the model dtype.
+
+A matmul is w8a8 as in SGLang's block-FP8 linear method: each row of the activations is
+quantized per group of 128 input features (dynamic scale = group amax / 448), and the product
+of the two dequantized operands is accumulated in fp32:
+
+- :func:`fp8_matmul_reference` computes exactly that with fp32 torch ops: the CPU path, and
+  the reference of the tests;
+- on CUDA, :func:`fp8_linear` uses ``torch._scaled_mm`` with DeepSeek's (1x128, 128x128)
+  block recipe (cuBLAS, SM90 and CUDA >= 12.9), after a one-time check against the reference
+  on this device; where that check fails the reference runs there too, and
+  :func:`gemm_backend` says which one runs and why.
+
+:class:`Fp8Linear` replaces an ``nn.Linear``; :class:`Fp8Experts` replaces transformers'
+fused expert block (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) and keeps its
+parameter names, so checkpoint names (``experts.3.gate_proj.weight``) still resolve to views of
+the live weights; their scales are ``<param>_scale_inv`` of ``[E, 2 ceil(I/128), ceil(H/128)]``
+and ``[E, ceil(H/128), ceil(I/128)]`` (gate's block rows, then up's; SGLang's
+``w13_weight_scale_inv`` layout when I is a multiple of 128).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megarl.weights.fp8 import (
+    BLOCK,
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_blockwise,
+    is_quantized_weight,
+    quantize_blockwise,
+)
+
+GROUP = 128
+"""Input features per activation scale (SGLang's ``per_token_group_quant_fp8`` group)."""
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``) of ``x [M, K]``: each row's groups of
+    128 features divided by their amax / 448 (an all-zero group gets scale 1)."""
+    rows, cols = x.shape
+    groups = -(-cols // GROUP)
+    padded = F.pad(x.float(), (0, groups * GROUP - cols)).view(rows, groups, GROUP)
+    amax = padded.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.view(rows, -1)[:, :cols], scale.squeeze(-1)
+
+
+def dequantize_activations(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[M, K]`` that :func:`quantize_activations`' output stands for."""
+    cols = quantized.shape[1]
+    return quantized.float() * scale.repeat_interleave(GROUP, dim=1)[:, :cols]
+
+
+def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K] @ W.T (+ bias)`` in ``x.dtype`` for a block-FP8 ``weight [N, K]``: the
+    activations quantized per 1x128 group, both operands dequantized, the product in fp32."""
+    flat = x.reshape(-1, x.shape[-1])
+    acts = dequantize_activations(*quantize_activations(flat))
+    out = acts @ dequantize_blockwise(weight, scale_inv).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
+
+
+def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """The same product through ``torch._scaled_mm``'s (1x128, 128x128) recipe; K and N must be
+    multiples of 128. cuBLAS wants the activation scales outer-dim-major, the weight scales
+    padded to a multiple of 4 block columns and transposed, and M a multiple of 4."""
+    rows = x.shape[0]
+    pad = -rows % 4
+    quantized, scale = quantize_activations(F.pad(x, (0, 0, 0, pad)) if pad else x)
+    blocks_n, blocks_k = scale_inv.shape
+    weight_scale = scale_inv.new_zeros(blocks_n, -(-blocks_k // 4) * 4)
+    weight_scale[:, :blocks_k] = scale_inv
+    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale.t().contiguous().t(),
+                           scale_b=weight_scale.t(), out_dtype=x.dtype)
+    return out[:rows] if pad else out
+
+
+class _Backend:
+    """Which GEMM runs FP8 matmuls on CUDA: decided once per process by :func:`_probe`."""
+
+    lock = threading.Lock()
+    scaled_mm: bool | None = None
+    reason = "not used yet"
+
+
+def _probe(device: torch.device) -> None:
+    """Run ``_scaled_mm`` once on random data and compare it with the reference; on an error
+    or a mismatch every later matmul takes the reference path."""
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(8, 256, generator=generator).to(device, torch.bfloat16)
+    weight, scale = quantize_blockwise(torch.randn(256, 256, generator=generator).to(device))
+    try:
+        got = _scaled_mm(x, weight, scale).float()
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        _Backend.scaled_mm, _Backend.reason = False, f"reference (torch._scaled_mm: {err})"
+        return
+    want = fp8_matmul_reference(x, weight, scale).float()
+    error = float((got - want).norm() / want.norm())
+    ok = error < 2e-2
+    _Backend.scaled_mm = ok
+    _Backend.reason = ("torch._scaled_mm (1x128, 128x128)" if ok else
+                       f"reference (torch._scaled_mm differs from it by {error:.3g} relative)")
+
+
+def gemm_backend() -> str:
+    """Which FP8 GEMM this process runs on CUDA, and why (``reference`` on CPU)."""
+    return _Backend.reason
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a block-FP8 weight (see the module doc for which GEMM runs)."""
+    n, k = weight.shape
+    if x.is_cuda and n % GROUP == 0 and k % GROUP == 0:
+        if _Backend.scaled_mm is None:
+            with _Backend.lock:
+                if _Backend.scaled_mm is None:
+                    _probe(x.device)
+        if _Backend.scaled_mm:
+            out = _scaled_mm(x.reshape(-1, k), weight, scale_inv).view(*x.shape[:-1], n)
+            return out if bias is None else out + bias
+    elif not x.is_cuda:
+        _Backend.reason = "reference (CPU)"
+    return fp8_matmul_reference(x, weight, scale_inv, bias)
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+class Fp8Linear(nn.Module):
+    """An ``nn.Linear`` whose weight is block FP8 (``weight`` + ``weight_scale_inv``)."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = _frozen(weight)
+        self.weight_scale_inv = _frozen(scale_inv)
+        self.bias = None if bias is None else _frozen(bias)
+
+    @classmethod
+    def of(cls, linear: nn.Linear) -> Fp8Linear:
+        """The quantized copy of ``linear``."""
+        weight, scale = quantize_blockwise(linear.weight.detach())
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(weight, scale, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T + b`` with the block-FP8 weight."""
+        return fp8_linear(x, self.weight, self.weight_scale_inv, self.bias)
+
+
+def _quantize_stack(weights: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``weights [E, parts * R, C]`` expert by expert and part by part (gate, up):
+    fp8 ``[E, parts * R, C]`` and scales ``[E, parts * ceil(R/128), ceil(C/128)]``."""
+    quantized, scales = [], []
+    for expert in weights:
+        pieces = [quantize_blockwise(p) for p in expert.chunk(parts, dim=0)]
+        quantized.append(torch.cat([q for q, _ in pieces]))
+        scales.append(torch.cat([s for _, s in pieces]))
+    return torch.stack(quantized), torch.stack(scales)
+
+
+class Fp8Experts(nn.Module):
+    """transformers' fused expert block (``gate_up_proj``, ``down_proj``) in block FP8."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.num_experts = int(experts.num_experts)
+        self.hidden_dim = int(experts.hidden_dim)
+        self.intermediate_dim = int(experts.intermediate_dim)
+        self.act_fn = experts.act_fn
+        gate_up, gate_up_scale = _quantize_stack(experts.gate_up_proj.detach(), 2)
+        down, down_scale = _quantize_stack(experts.down_proj.detach(), 1)
+        self.gate_up_proj = _frozen(gate_up)
+        self.gate_up_proj_scale_inv = _frozen(gate_up_scale)
+        self.down_proj = _frozen(down)
+        self.down_proj_scale_inv = _frozen(down_scale)
+
+    def _expert(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert ``index``'s SwiGLU MLP on rows ``x [n, H]``."""
+        rows = -(-self.intermediate_dim // BLOCK[0])
+        size = self.intermediate_dim
+        weight, scale = self.gate_up_proj[index], self.gate_up_proj_scale_inv[index]
+        gate = fp8_linear(x, weight[:size], scale[:rows])
+        up = fp8_linear(x, weight[size:], scale[rows:])
+        return fp8_linear(self.act_fn(gate) * up, self.down_proj[index],
+                          self.down_proj_scale_inv[index])
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """As transformers' expert block: each chosen expert on its rows, weighted, summed."""
+        out = torch.zeros_like(hidden_states)
+        for expert in torch.unique(top_k_index).tolist():
+            rows, slot = torch.where(top_k_index == expert)
+            y = self._expert(expert, hidden_states[rows]) * top_k_weights[rows, slot, None]
+            out.index_add_(0, rows, y.to(out.dtype))
+        return out
+
+
+def _ignored(model: nn.Module) -> list[str]:
+    """Module-name substrings a model's ``quantization_config`` keeps unquantized."""
+    config = getattr(model.config, "quantization_config", None) or {}
+    if not isinstance(config, dict):
+        config = config.to_dict()
+    return list(config.get("ignored_layers") or config.get("modules_to_not_convert") or [])
+
+
+def quantize_model(model: nn.Module) -> int:
+    """Replace, in place, every linear layer an FP8 checkpoint stores in FP8 by
+    :class:`Fp8Linear` and every fused expert block by :class:`Fp8Experts`; returns how many
+    modules were replaced. Raises when none was (a model this engine cannot quantize)."""
+    ignored = _ignored(model)
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            full = f"{name}.{child_name}" if name else child_name
+            if isinstance(child, nn.Linear) and is_quantized_weight(
+                    f"{full}.weight", child.weight, ignored):
+                setattr(module, child_name, Fp8Linear.of(child))
+                replaced += 1
+            elif (child_name == "experts" and hasattr(child, "gate_up_proj")
+                  and child.gate_up_proj.dim() == 3 and not any(s in full for s in ignored)):
+                if getattr(child, "is_transposed", False) or getattr(child, "has_bias", False):
+                    raise ValueError(f"{full}: FP8 experts with transposed weights or biases "
+                                     "are not supported by the embedded engine")
+                setattr(module, child_name, Fp8Experts(child))
+                replaced += 1
+    if not replaced:
+        raise ValueError("--quantization fp8: the model has no projection an FP8 checkpoint "
+                         "quantizes (q/k/v/o_proj, gate/up/down_proj, experts)")
+    device = next(model.parameters()).device
+    if device.type == "cuda" and _Backend.scaled_mm is None:
+        _probe(device)  # now, not inside the first CUDA-graph capture
+    return replaced
+
+
+def expert_scale_view(weight_shape: tuple[int, ...], scale_shape: tuple[int, ...],
+                      size: tuple[int, ...], stride: tuple[int, ...], offset: int
+                      ) -> tuple[tuple[int, ...], tuple[int, ...], int] | None:
+    """(size, stride, offset) in the scales ``[E, SR, SC]`` of a fused FP8 expert weight
+    ``[E, R, C]`` for the strided view ``(size, stride, offset)`` of one expert's rows
+    ``[r0, r0 + n)`` (a checkpoint tensor such as ``experts.3.up_proj.weight``); None when the
+    view is not a block of whole rows. Each part of a fused weight starts on its own block
+    grid, so the scales of rows from ``r0`` start at block row ``ceil(r0 / 128)``."""
+    if len(weight_shape) != 3 or len(size) != 2:
+        return None
+    experts, rows, cols = weight_shape
+    if tuple(stride) != (cols, 1) or size[1] != cols:
+        return None
+    expert, rest = divmod(offset, rows * cols)
+    first_row, first_col = divmod(rest, cols)
+    block_rows = -(-size[0] // BLOCK[0])
+    start = -(-first_row // BLOCK[0])
+    _, scale_rows, scale_cols = scale_shape
+    if first_col or expert >= experts or start + block_rows > scale_rows:
+        return None
+    return ((block_rows, scale_cols), (scale_cols, 1),
+            expert * scale_rows * scale_cols + start * scale_cols)

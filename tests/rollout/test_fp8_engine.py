@@ -1,0 +1,181 @@
+"""The embedded engine in block FP8 (``--quantization fp8``, issue 31): the w8a8 matmul against
+a naive reference and the rounding bound of e4m3, the FP8 expert block against transformers'
+loop on dequantized weights, the engine's own quantization against the weight sync's, and the
+refusals (a bf16 tensor into an FP8 weight, a view that is not a block of rows)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.local.fp8_layers import (
+    Fp8Experts,
+    Fp8Linear,
+    dequantize_activations,
+    expert_scale_view,
+    fp8_matmul_reference,
+    quantize_activations,
+)
+from megarl.rollout.local.launch import launch_local_engines
+from megarl.rollout.local.model_runner import ModelRunner
+from megarl.rollout.local.weights import WeightMap, iter_safetensors
+from megarl.weights.fp8 import FP8_MAX, dequantize_blockwise, fp8_payload, quantize_blockwise
+
+
+def naive_w8a8(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ W.T with x quantized per row and group of 128 columns and W per 128x128 block, each
+    piece rounded to e4m3 after dividing by its amax / 448, written out element by element."""
+    def round_blocks(t: torch.Tensor, rows: int) -> torch.Tensor:
+        out = torch.empty_like(t, dtype=torch.float64)
+        for r in range(0, t.shape[0], rows):
+            for c in range(0, t.shape[1], 128):
+                block = t[r:r + rows, c:c + 128].double()
+                scale = block.abs().max() / FP8_MAX if block.abs().max() > 0 else 1.0
+                q = (block / scale).float().to(torch.float8_e4m3fn).double()
+                out[r:r + rows, c:c + 128] = q * scale
+        return out
+
+    return round_blocks(x, 1) @ round_blocks(weight, 128).t()
+
+
+def test_the_w8a8_matmul_is_the_naive_blockwise_product_within_e4m3_rounding():
+    torch.manual_seed(0)
+    x = torch.randn(5, 300) * torch.logspace(-2, 1, 300)  # groups of very different scale
+    weight = torch.randn(200, 300) * 0.05
+    q, s = quantize_blockwise(weight)
+    got = fp8_matmul_reference(x, q, s).double()
+    assert torch.allclose(got, naive_w8a8(x, weight), rtol=1e-5, atol=1e-6)
+    # against the exact product: e4m3 keeps 3 mantissa bits, so each operand is off by at most
+    # 2^-4 of itself (normal range) or half the smallest subnormal step x its scale
+    _, act_scale = quantize_activations(x)
+    act_err = torch.maximum(x.abs() / 16, act_scale.repeat_interleave(128, 1)[:, :300] * 2**-10)
+    w_err = torch.maximum(weight.abs() / 16, s.repeat_interleave(128, 0).repeat_interleave(
+        128, 1)[:200, :300] * 2**-10)
+    bound = (x.abs() @ w_err.t() + act_err @ weight.abs().t() + act_err @ w_err.t()).double()
+    error = (got - (x.double() @ weight.double().t())).abs()
+    assert (error <= bound * 1.001 + 1e-6).all()
+    assert error.max() > 0  # not an fp32 matmul in disguise
+
+
+def test_fp8_linear_keeps_the_bias_and_the_shape():
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(130, 260, bias=True)
+    fp8 = Fp8Linear.of(linear)
+    assert fp8.weight.dtype == torch.float8_e4m3fn and fp8.weight_scale_inv.shape == (3, 2)
+    x = torch.randn(2, 3, 130)
+    want = fp8_matmul_reference(x, fp8.weight, fp8.weight_scale_inv) + linear.bias
+    assert torch.allclose(fp8(x), want, atol=1e-6)
+    assert not any(p.requires_grad for p in fp8.parameters())
+
+
+def test_fp8_experts_equal_transformers_loop_on_the_dequantized_weights():
+    """Each expert of the FP8 block computes SwiGLU with its gate, up and down weights as the
+    engine holds them (gate and up each on their own block grid), weighted by the router."""
+    from transformers import AutoModelForCausalLM
+
+    from megarl.data.tiny_model import tiny_config_dict
+
+    torch.manual_seed(2)
+    config = tiny_config_dict("qwen3_moe")
+    from transformers import Qwen3MoeConfig
+
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**config))
+    experts = model.model.layers[0].mlp.experts
+    fp8 = Fp8Experts(experts)
+    size = experts.intermediate_dim
+    x = torch.randn(7, experts.hidden_dim)
+    top = torch.randint(0, experts.num_experts, (7, 2))
+    weights = torch.rand(7, 2)
+    want = torch.zeros_like(x)
+    for row in range(7):
+        for slot in range(2):
+            e = int(top[row, slot])
+            gate_up = fp8.gate_up_proj[e]
+            scale = fp8.gate_up_proj_scale_inv[e]
+            rows = math.ceil(size / 128)
+            gate = fp8_matmul_reference(x[row:row + 1], gate_up[:size], scale[:rows])
+            up = fp8_matmul_reference(x[row:row + 1], gate_up[size:], scale[rows:])
+            out = fp8_matmul_reference(F.silu(gate) * up, fp8.down_proj[e],
+                                       fp8.down_proj_scale_inv[e])
+            want[row] += (out * weights[row, slot])[0]
+    assert torch.allclose(fp8(x, top, weights), want, atol=1e-6)
+    # the held weights are the blockwise quantization of each expert's projections
+    gate_q, gate_s = quantize_blockwise(experts.gate_up_proj[3, :size].detach())
+    assert torch.equal(fp8.gate_up_proj[3, :size].float(), gate_q.float())
+    assert torch.equal(fp8.gate_up_proj_scale_inv[3, :rows], gate_s)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
+def test_the_engine_quantizes_as_the_weight_sync_does(arch, tmp_path: Path):
+    """A runner started with ``quantization="fp8"`` holds exactly what the sync sends for its
+    checkpoint (``fp8_payload``): loading that payload changes no bit; every payload name
+    (weights and scales, experts included) resolves; norms, router, embeddings and head stay
+    in the model dtype; its logits are those of the dequantized weights, w8a8."""
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch, seed=0, with_tokenizer=False)
+    runner = ModelRunner(model_dir, quantization="fp8")
+    weights = WeightMap(runner.model)
+    payload = fp8_payload(dict(iter_safetensors(model_dir)))
+    before = {n: weights.view(n).clone() for n in payload}
+    assert weights.load_many(payload.items()) == len(payload)
+    for name, tensor in payload.items():
+        assert before[name].dtype == tensor.dtype, name
+        assert torch.equal(weights.view(name).float(), tensor.float()), name
+    fp8_names = {n for n, t in payload.items() if t.dtype == torch.float8_e4m3fn}
+    assert any("q_proj" in n for n in fp8_names)
+    assert any(".experts." in n for n in fp8_names) == (arch == "qwen3_moe")
+    assert not any("norm" in n or "embed" in n or "lm_head" in n or "mlp.gate." in n
+                   for n in fp8_names)
+    ids = torch.tensor([[3, 5, 7, 11, 13, 17, 19]])
+    with torch.no_grad():
+        got = runner.model(ids).logits
+        exact = ModelRunner(model_dir).model(ids).logits
+    assert 1e-4 < (got - exact).abs().max() < 0.1 * exact.abs().max()
+    if arch == "qwen3":  # dense: every FP8 matmul is a hookable nn.Linear of the plain model
+        plain = ModelRunner(model_dir)
+        dequantized = {n: dequantize_blockwise(t, payload[n + "_scale_inv"])
+                       for n, t in payload.items() if n in fp8_names}
+        WeightMap(plain.model).load_many(dequantized.items())
+        for name, module in plain.model.named_modules():
+            if f"{name}.weight" in fp8_names:  # round the activations as w8a8 does
+                module.register_forward_pre_hook(lambda _, args: (
+                    dequantize_activations(*quantize_activations(
+                        args[0].reshape(-1, args[0].shape[-1]))).view(args[0].shape),))
+        with torch.no_grad():
+            assert torch.allclose(plain.model(ids).logits, got, atol=1e-5)
+
+
+def test_an_fp8_weight_refuses_a_bf16_tensor_and_odd_views_are_refused(tmp_path: Path):
+    model_dir = make_tiny_model(tmp_path / "m", arch="qwen3_moe", seed=0, with_tokenizer=False)
+    weights = WeightMap(ModelRunner(model_dir, quantization="fp8").model)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    with pytest.raises(ValueError, match=r"float8_e4m3fn \(--quantization fp8\).*weight_scale_inv"):
+        weights.load(name, torch.zeros(weights.view(name).shape, dtype=torch.bfloat16))
+    # a column slice of a fused expert weight, or a transposed view, has no block rows
+    assert expert_scale_view((4, 64, 64), (4, 2, 1), (32, 32), (64, 1), 0) is None
+    assert expert_scale_view((4, 64, 64), (4, 2, 1), (32, 64), (1, 64), 0) is None
+    # up_proj of expert 3: rows 32..63 of [4, 64, 64] -> its own block row 1 of [4, 2, 1]
+    assert expert_scale_view((4, 64, 64), (4, 2, 1), (32, 64), (64, 1),
+                             3 * 64 * 64 + 32 * 64) == ((1, 1), (1, 1), 3 * 2 + 1)
+
+
+def test_an_fp8_server_generates_and_reports_its_gemm(tmp_path: Path):
+    model_dir = make_tiny_model(tmp_path / "m", arch="qwen3_moe", seed=0)
+    server = launch_local_engines(str(model_dir), 1, num_threads=1, log_dir=tmp_path / "logs",
+                                  extra_args=["--quantization", "fp8"], ready_timeout_s=120)[0]
+    try:
+        out = httpx.post(f"{server.url}/generate", json={
+            "input_ids": [3, 5, 7], "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True}, timeout=60).json()
+        info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
+    finally:
+        server.stop()
+    assert len(out["output_ids"]) == 6
+    assert all(math.isfinite(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"])
+    assert info["quantization"] == "fp8"
+    assert info["internal_states"][0]["fp8_gemm"] == "reference (CPU)"
