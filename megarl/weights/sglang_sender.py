@@ -61,7 +61,7 @@ def _entry_bytes(entry: tuple[str, Sequence[int], str]) -> int:
     return parse_dtype(entry[2]).itemsize * torch.Size(entry[1]).numel()
 
 
-def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], dtype: str, bucket_size_mb: int,
+def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], dtype: str, bucket_size_mb: float,
                  quantization: str | None = None) -> list[BucketSpec]:
     """Group the tensors sent for ``specs`` (:func:`sent_specs`), in export order, into buckets
     of at most ``bucket_size_mb`` (a larger tensor gets a bucket of its own; a weight and its

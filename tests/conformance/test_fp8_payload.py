@@ -109,3 +109,48 @@ def test_payload_names_dtypes_and_shapes_fit_sglangs_fp8_block_parameters(bucket
     for part in ("q_proj", "k_proj", "v_proj"):
         assert payload[attn + part + ".weight"].shape[0] % 128 == 0
     assert DIMS["moe_intermediate_size"] % 128 == 0
+
+
+def test_the_fp8_sync_buckets_are_laid_out_as_sglangs_tensor_bucket(bucket, sglang_tensor_bucket):
+    """The weight sync with ``rollout.quantization=fp8`` (``plan_buckets`` + ``iter_buckets``,
+    sent by ``flatten_into``): each bucket holds, in order, what ``fp8_payload`` gives for its
+    tensors; its bytes and metadata equal SGLang's ``FlattenedTensorBucket(named_tensors=...)``
+    of the same tensors (the unpadded layout an ``update_weights_from_distributed`` receiver
+    rebuilds from names, dtypes and shapes), and SGLang's ``reconstruct_tensors`` gives them
+    back bit for bit, fp8 weights and fp32 scales alike."""
+    from megarl.weights.buckets import parse_dtype
+    from megarl.weights.flattened import bucket_metadata, flatten_bucket
+    from megarl.weights.sglang_sender import iter_buckets, plan_buckets
+
+    specs = [(n, list(t.shape)) for n, t in bucket.items()]
+    plan = plan_buckets(specs, "bfloat16", 0.1, quantization="fp8")
+    assert len(plan) >= 3
+    payload = fp8_payload(bucket)
+    sent = [t for b in iter_buckets(bucket.items(), plan) for t in b]
+    assert [n for n, _ in sent] == list(payload) == [n for b in plan for n, _, _ in b]
+    for name, tensor in sent:
+        assert tensor.dtype == payload[name].dtype and torch.equal(
+            tensor.view(torch.uint8), payload[name].view(torch.uint8)), name
+    for named, entries in zip(iter_buckets(bucket.items(), plan), plan):
+        ours = flatten_bucket(named)
+        theirs = sglang_tensor_bucket.FlattenedTensorBucket(named_tensors=named)
+        assert torch.equal(ours["flattened_tensor"], theirs.get_flattened_tensor())
+        layout = bucket_metadata([(n, s, parse_dtype(d)) for n, s, d in entries])
+        assert [(m.name, m.start_idx, m.end_idx) for m in theirs.get_metadata()] == \
+            [(m.name, m.start_idx, m.end_idx) for m in layout]
+        rebuilt = sglang_tensor_bucket.FlattenedTensorBucket(
+            flattened_tensor=ours["flattened_tensor"], metadata=theirs.get_metadata())
+        for (name, got), (_, want) in zip(rebuilt.reconstruct_tensors(), named):
+            assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8),
+                                                           want.view(torch.uint8)), name
+
+
+def test_a_plan_refuses_a_tensor_its_bucket_would_misalign():
+    """An fp8 weight of an odd byte count followed by its fp32 scale cannot be viewed by
+    SGLang's unpadded receiver: the plan says which tensor, before anything is sent."""
+    from megarl.weights.sglang_sender import plan_buckets
+
+    with pytest.raises(ValueError, match=r"q_proj.weight_scale_inv \(float32\) would start at "
+                                         r"byte 15"):
+        plan_buckets([("model.layers.0.self_attn.q_proj.weight", [3, 5])], "bfloat16", 1,
+                     quantization="fp8")

@@ -1,0 +1,50 @@
+"""FP8 rollout on the H200 (issue 31): the block-FP8 GEMM the embedded engine picks on CUDA, and
+an FP8 engine on the GPU. ``torch._scaled_mm``'s (1x128, 128x128) recipe needs SM90 and
+CUDA >= 12.9; where it does not run, ``gemm_backend()`` says why and the first test fails with
+that reason (the engine still runs, on the slow reference)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import torch
+
+from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.local import fp8_layers
+from megarl.rollout.local.launch import launch_local_engines
+from megarl.weights.fp8 import quantize_blockwise
+
+
+def test_scaled_mm_runs_the_block_recipe_and_matches_the_reference():
+    torch.manual_seed(0)
+    x = torch.randn(37, 2048, device="cuda", dtype=torch.bfloat16)  # M not a multiple of 4
+    weight, scale = quantize_blockwise(torch.randn(768, 2048, device="cuda") * 0.02)
+    got = fp8_layers.fp8_linear(x, weight, scale)
+    assert fp8_layers.gemm_backend().startswith("torch._scaled_mm"), fp8_layers.gemm_backend()
+    want = fp8_layers.fp8_matmul_reference(x, weight, scale)
+    error = float((got.float() - want.float()).norm() / want.float().norm())
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 768)
+    assert error < 1e-2, error
+
+
+def test_an_fp8_engine_generates_on_the_gpu(tmp_path: Path):
+    """A dense model whose projections are multiples of 128 (the _scaled_mm path) and a MoE one
+    (FP8 experts: the HF decode path) both serve greedy requests in FP8."""
+    dims = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 64}
+    for arch, extra in (("qwen3", {}), ("qwen3_moe", {"moe_intermediate_size": 128})):
+        model_dir = make_tiny_model(tmp_path / arch, arch=arch, seed=0, **dims, **extra)
+        server = launch_local_engines(str(model_dir), 1, device="cuda", log_dir=tmp_path / "logs",
+                                      extra_args=["--quantization", "fp8", "--dtype",
+                                                  "bfloat16"], ready_timeout_s=300)[0]
+        try:
+            out = httpx.post(f"{server.url}/generate", json={
+                "input_ids": [[3, 5, 7], [11, 13]], "sampling_params": {
+                    "max_new_tokens": 16, "temperature": 0, "ignore_eos": True}},
+                timeout=120).json()
+            info = httpx.get(f"{server.url}/get_server_info", timeout=30).json()
+        finally:
+            server.stop()
+        assert [len(o["output_ids"]) for o in out] == [16, 16], arch
+        assert info["internal_states"][0]["fp8_gemm"].startswith("torch._scaled_mm"), info
