@@ -35,12 +35,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
      and c.algorithm.kl_penalty == "full",
      ("the full-distribution KL needs the logits, which the trainer does not keep; use kl, abs, "
       "mse or low_var_kl")),
-    ("rollout.quantization", lambda c: c.rollout.quantization == "fp8"
-     and c.rollout.backend == "sglang",
-     ("FP8 rollout on SGLang engines needs them launched from an FP8 block-quantized config "
-      "(quantization_config in config.json, --load-format dummy) and a weight sync before the "
-      "first generation, which megarl does not do yet (docs/fp8.md); use rollout.backend=local "
-      "(the embedded engine runs FP8) or set rollout.quantization=null")),
     ("actor.router_replay.mode", lambda c: c.actor.router_replay.mode == "R2"
      and c.algorithm.rollout_correction.bypass_mode,
      ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "

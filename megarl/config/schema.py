@@ -94,8 +94,10 @@ class RolloutConfig(Section):
         "weights the engines compute with: null = `rollout.dtype`; fp8 = blockwise FP8 "
         "(e4m3, 128x128 `weight_scale_inv` blocks, the format of DeepSeek-V3 / Qwen3 FP8 "
         "releases; docs/fp8.md), quantized on the train side at every weight sync and "
-        "computed w8a8 (1x128 activation groups); the embedded engine (rollout.backend=local) "
-        "runs it, SGLang engines are refused (not built yet). With fp8, "
+        "computed w8a8 (1x128 activation groups). The embedded engine quantizes the checkpoint "
+        "itself at start; SGLang engines start from an FP8-serialized config with dummy weights "
+        "and get the trainer's before the first generation (every TP-split projection must be "
+        "whole 128-blocks per GPU). With fp8, "
         "algorithm.rollout_correction.rollout_is defaults to token and the health monitor's "
         "mismatch alarm to the FP8 baseline"))
     api_key: str | None = Field(None, repr=False, description=(

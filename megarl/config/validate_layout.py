@@ -360,6 +360,40 @@ def check_engine_concurrency(ctx: Context) -> Iterator[Problem]:
                       "raise rollout.gpu_memory_utilization, or shorten data.max_response_length")
 
 
+FP8_BLOCK = 128
+
+
+def check_engine_fp8_blocks(ctx: Context) -> Iterator[Problem]:
+    """SGLang in block FP8 needs every TP-split projection (q, k, v, the MLP's and the experts'
+    intermediate size per GPU) to be whole 128x128 blocks (``Fp8LinearMethod``'s
+    ``validate_block_quant_shapes``, ``Fp8MoEMethod.create_weights``; docs/fp8.md)."""
+    cfg, model = ctx.cfg, ctx.model
+    if (model is None or cfg.rollout.quantization != "fp8" or cfg.rollout.backend != "sglang"
+            or model.kv_lora_rank):
+        return
+    def widths(tp: int) -> dict[str, int]:
+        kv_heads = max(1, model.num_kv_heads // tp)
+        out = {"q": model.num_attention_heads // tp * model.head_dim,
+               "k/v": kv_heads * model.head_dim}
+        if not model.is_moe or model.dense_layers:
+            out["intermediate_size"] = model.ffn_hidden_size // tp
+        if model.is_moe:
+            out["moe_intermediate_size"] = model.moe_ffn_hidden_size // tp
+        return out
+
+    tp = cfg.rollout.gpus_per_engine
+    ragged = {k: v for k, v in widths(tp).items() if v % FP8_BLOCK}
+    if ragged:
+        fits = [d for d in divisors(model.num_attention_heads)
+                if not any(v % FP8_BLOCK for v in widths(d).values())]
+        fix = (f"use rollout.gpus_per_engine={_pick(fits, tp)}, " if fits else "") + \
+            "rollout.backend=local (the embedded engine has no such rule) or rollout.quantization=null"
+        yield error(("rollout.quantization", "rollout.gpus_per_engine"),
+                    "SGLang's block-FP8 layers need multiples of 128 per GPU; an engine of "
+                    f"{tp} GPU(s) has " + ", ".join(f"{k} {v}" for k, v in ragged.items()),
+                    fix)
+
+
 LAYOUT_RULES: tuple[Rule, ...] = (
     check_layout_fills_train_pool, check_expert_layout, check_experts_divisible_by_ep,
     check_heads_divisible_by_tp, check_kv_heads_vs_tp, check_ffn_divisible,
@@ -368,5 +402,5 @@ LAYOUT_RULES: tuple[Rule, ...] = (
     check_context_parallel_sequence_length, check_context_parallel_combinations,
     check_vocab_and_tokenizer,
     check_sequence_fits_positions, check_engines_fill_rollout_pool, check_engine_heads,
-    check_engine_memory, check_engine_concurrency,
+    check_engine_memory, check_engine_concurrency, check_engine_fp8_blocks,
 )

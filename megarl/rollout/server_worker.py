@@ -49,8 +49,8 @@ class EngineSpec:
     trust_remote_code: bool = False
     """Let the engine load custom code shipped with the model (``model.trust_remote_code``)."""
     quantization: str | None = None
-    """``fp8``: the embedded engine holds its projections in block FP8 (``rollout.quantization``;
-    docs/fp8.md)."""
+    """``fp8``: the engine holds its projections in block FP8 (``rollout.quantization``;
+    docs/fp8.md); SGLang starts from dummy weights, which the trainer's first sync replaces."""
 
 
 def local_engine_args(spec: EngineSpec) -> list[str]:
@@ -75,10 +75,20 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
         return build_local_command(spec.model_path, host=spec.host, port=port,
                                    device="cuda" if device == "cuda" else "cpu",
                                    num_threads=spec.num_threads, seed=seed, extra_args=extra)
-    from megarl.rollout.sglang.launcher import SGLangLaunchConfig, build_sglang_command
+    from megarl.rollout.sglang.launcher import (
+        SGLangLaunchConfig,
+        build_sglang_command,
+        fp8_serving_dir,
+    )
 
+    model_path, load_format = spec.model_path, None
+    if spec.quantization == "fp8":  # an FP8-serialized config, weights from the first sync
+        model_path = str(fp8_serving_dir(spec.model_path,
+                                         Path(spec.log_dir) / f"fp8_model_engine{rank}"))
+        load_format = "dummy"
     launch = SGLangLaunchConfig(
-        model_path=spec.model_path, host=spec.host, port=port, tp_size=spec.gpus_per_engine,
+        model_path=model_path, host=spec.host, port=port, tp_size=spec.gpus_per_engine,
+        quantization=spec.quantization, load_format=load_format,
         mem_fraction_static=spec.mem_fraction, enable_memory_saver=spec.colocated,
         enable_return_routed_experts=spec.return_routed_experts,
         enable_deterministic_inference=spec.seed is not None, random_seed=spec.seed,

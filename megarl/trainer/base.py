@@ -18,7 +18,12 @@ from megarl.metrics.health import HealthMonitor, NonFiniteGuard, thresholds_for
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
 from megarl.rollout.agent import AgentLoop, AgentSettings
 from megarl.trainer.checkpoint import resume_run
-from megarl.trainer.workers import Workers, build_workers, shutdown_workers
+from megarl.trainer.workers import (
+    Workers,
+    build_workers,
+    engines_start_without_weights,
+    shutdown_workers,
+)
 
 
 class TrainerBase:
@@ -69,6 +74,8 @@ class TrainerBase:
         self.health = HealthMonitor(thresholds=thresholds_for(cfg.actor.clip_ratio_high,
                                                               cfg.rollout.quantization))
         resumed_step = resume_run(self)
+        if resumed_step is None and engines_start_without_weights(cfg):
+            self.workers.weight_sync(str(self.weight_version))  # their first weights
         loggers = cfg.trainer.loggers if self.is_driver else []
         self.tracker = MultiTracker.from_names(loggers, TrackerSettings(
             output_dir=self.output_dir, total_steps=cfg.trainer.total_steps,

@@ -132,6 +132,13 @@ def engine_max_num_seqs(cfg: RunConfig) -> int | None:
     return derive_sizes(cfg, model).max_num_seqs
 
 
+def engines_start_without_weights(cfg: RunConfig) -> bool:
+    """Whether the engines start from dummy weights, so that the trainer must sync before the
+    first generation: SGLang in block FP8 (``rollout.quantization=fp8``), which builds its fp8
+    parameters from an FP8-serialized config only (docs/fp8.md)."""
+    return cfg.rollout.backend == "sglang" and cfg.rollout.quantization == "fp8"
+
+
 def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
     """The RolloutServerWorker's settings from the config."""
     r = cfg.rollout

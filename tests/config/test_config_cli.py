@@ -116,7 +116,6 @@ NOT_BUILT_TRIGGERS: dict[str, tuple[str, ...]] = {
     "algorithm.rollout_correction.bypass_mode": ("algorithm.rollout_correction.bypass_mode=true",
                                                  "algorithm.rollout_correction.rollout_is=token"),
     "algorithm.kl_penalty": ("algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=full"),
-    "rollout.quantization": ("rollout.quantization=fp8", "rollout.backend=sglang"),
     "actor.router_replay.mode": ("actor.router_replay.mode=R2",
                                  "algorithm.rollout_correction.bypass_mode=true"),
     "actor.lora.target_modules": ("actor.lora.rank=8",
@@ -209,17 +208,17 @@ def test_train_main_prints_the_estimate_before_it_starts(run_files, capsys, monk
     assert out == trainer_mod.startup_text(cfg)
 
 
-def test_fp8_rollout_on_sglang_is_refused_in_one_line_with_the_fix(run_files, capsys):
-    """rollout.quantization=fp8 runs on the embedded engine; SGLang engines would need an
-    FP8-serialized launch and a first sync megarl does not do yet: one line naming the field,
-    why, and the two ways out. With fp8, rollout correction turns on unless set."""
+def test_fp8_rollout_defaults_and_sglangs_block_rule(run_files, capsys):
+    """rollout.quantization=fp8: on SGLang the tiny model's 64-wide q projection is no whole
+    128-block, so one line names the field, why, and the ways out; the embedded engine takes it.
+    With fp8, rollout correction turns on unless set."""
     base = [str(TINY), *run_files, "rollout.quantization=fp8"]
     assert validate_main([*base, "rollout.backend=sglang"]) == 2
     lines = [line for line in capsys.readouterr().out.splitlines()
-             if line.startswith("rollout.quantization:")]
+             if line.startswith("rollout.quantization")]
     assert len(lines) == 1
-    assert "not built in this version" in lines[0] and "rollout.backend=local" in lines[0]
-    assert lines[0].endswith("set rollout.quantization=null")
+    assert "multiples of 128 per GPU" in lines[0] and "q 64" in lines[0]
+    assert "rollout.backend=local" in lines[0]
     assert validate_main([*base, "rollout.backend=local"]) == 0
     cfg, _ = load_config(TINY, [*run_files, "rollout.quantization=fp8"])
     assert cfg.algorithm.rollout_correction.rollout_is == "token"

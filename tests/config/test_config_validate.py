@@ -128,6 +128,8 @@ CASES = [
      ["rollout.gpus_per_engine"], "rollout.gpus_per_engine=8", "error"),
     ("check_engine_concurrency", ["rollout.max_num_seqs=32"], None, ["rollout.max_num_seqs"],
      "rollout.max_num_seqs=64", "warning"),
+    ("check_engine_fp8_blocks", ["rollout.quantization=fp8", "rollout.gpus_per_engine=4"], None,
+     ["rollout.quantization", "rollout.gpus_per_engine"], "rollout.gpus_per_engine=2", "error"),
     # S3: files
     ("check_data_files", ["data.val_files=[/nonexistent/val.parquet]"], None, ["data.val_files"],
      "check the path", "error"),
@@ -433,3 +435,19 @@ def test_lora_on_the_default_targets_is_clean(checker):
     assert [p.line() for p in checker.problems("actor.lora.rank=8")] == []
     assert [p.line() for p in checker.problems(
         "actor.lora.rank=8", "actor.lora.exclude_modules=[layers.0.*]")] == []
+
+
+def test_fp8_engines_that_fit_sglangs_blocks_pass(checker):
+    """Qwen3-30B-A3B in block FP8 on SGLang: 1 or 2 GPUs per engine keep q, k/v and the experts'
+    768 intermediate features whole 128-blocks per GPU (4 GPUs leave 192: refused above); the
+    embedded engine and bf16 engines have no such rule."""
+    for overrides in (["rollout.quantization=fp8", "rollout.gpus_per_engine=2"],
+                      ["rollout.quantization=fp8", "rollout.gpus_per_engine=1"],
+                      ["rollout.quantization=fp8", "rollout.gpus_per_engine=4",
+                       "rollout.backend=local"],
+                      ["rollout.gpus_per_engine=4"]):
+        assert not [p for p in checker.problems(*overrides)
+                    if p.rule == "check_engine_fp8_blocks"], overrides
+    problem = checker.find("check_engine_fp8_blocks", "rollout.quantization=fp8",
+                           "rollout.gpus_per_engine=4")
+    assert "moe_intermediate_size 192" in problem.line()

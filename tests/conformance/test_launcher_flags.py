@@ -22,7 +22,7 @@ CONFIGS = {
         load_format="dummy", weight_version="7", enable_deterministic_inference=True,
         skip_server_warmup=True, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000",
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",
-        context_length=4096, max_running_requests=128, random_seed=1234,
+        quantization="fp8", context_length=4096, max_running_requests=128, random_seed=1234,
         trust_remote_code=True, log_level="warning",
         extra_args=("--chunked-prefill-size", "8192")),
     "tokenizer_and_no_mem_fraction": SGLangLaunchConfig(
@@ -45,7 +45,7 @@ EXPECTED: dict[str, dict[str, Any]] = {
         load_format="dummy", weight_version="7", enable_deterministic_inference=True,
         skip_server_warmup=True, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000",
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",
-        context_length=4096, max_running_requests=128, random_seed=1234,
+        quantization="fp8", context_length=4096, max_running_requests=128, random_seed=1234,
         trust_remote_code=True, log_level="warning", chunked_prefill_size=8192),
     "tokenizer_and_no_mem_fraction": _fields(
         skip_tokenizer_init=False, mem_fraction_static=None, load_format="auto", dtype="auto"),

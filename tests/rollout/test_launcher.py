@@ -128,3 +128,45 @@ def test_a_seed_turns_on_deterministic_inference():
         SGLangLaunchConfig(model_path="/m"), python="py")
     assert build_local_command("/m", port=9, seed=4, python="py")[-3:] == [
         "--random-seed", "4", "--enable-deterministic-inference"]
+
+
+def test_an_fp8_sglang_engine_serves_an_fp8_config_with_dummy_weights(tmp_path):
+    """rollout.quantization=fp8 on SGLang: the engine is launched with ``--quantization fp8
+    --load-format dummy`` on a directory whose config.json carries the block-FP8
+    quantization_config and which links every file of the model but its weights; the trainer
+    syncs before the first generation. The embedded engine quantizes the checkpoint itself."""
+    import json
+    from pathlib import Path
+
+    from megarl.config import load_config
+    from megarl.data.tiny_model import make_tiny_model
+    from megarl.rollout.server_worker import EngineSpec, engine_command
+    from megarl.trainer.workers import engines_start_without_weights
+    from megarl.weights.fp8 import QUANTIZATION_CONFIG
+
+    model = make_tiny_model(tmp_path / "model", arch="qwen3_moe")
+    spec = EngineSpec(model_path=str(model), backend="sglang", quantization="fp8",
+                      log_dir=str(tmp_path / "logs"))
+    argv = engine_command(spec, rank=3, port=9, device="cuda")
+    served = Path(argv[argv.index("--model-path") + 1])
+    assert served == tmp_path / "logs" / "fp8_model_engine3"
+    assert argv[argv.index("--quantization") + 1] == "fp8"
+    assert argv[argv.index("--load-format") + 1] == "dummy"
+    config = json.loads((served / "config.json").read_text())
+    assert config["quantization_config"] == QUANTIZATION_CONFIG
+    assert config["hidden_size"] == json.loads((model / "config.json").read_text())["hidden_size"]
+    linked = sorted(p.name for p in served.iterdir() if p.name != "config.json")
+    assert linked and not [n for n in linked if n.endswith((".safetensors", ".bin"))]
+    assert all((served / n).resolve() == (model / n).resolve() for n in linked)
+    assert "tokenizer.json" in linked or "tokenizer_config.json" in linked
+    # a second launch (an engine restart) reuses the directory
+    assert engine_command(spec, rank=3, port=9, device="cuda") == argv
+    local = engine_command(EngineSpec(model_path=str(model), quantization="fp8"), rank=0,
+                           port=9, device="cpu")
+    assert local[local.index("--quantization") + 1] == "fp8" and "--load-format" not in local
+    demo = Path(__file__).parents[2] / "configs" / "tiny-moe-cpu.yaml"
+    overrides = [f"model.path={model}", "rollout.quantization=fp8"]
+    assert engines_start_without_weights(load_config(demo, [*overrides,
+                                                            "rollout.backend=sglang"])[0])
+    assert not engines_start_without_weights(load_config(demo, overrides)[0])
+    assert not engines_start_without_weights(load_config(demo, ["rollout.backend=sglang"])[0])

@@ -59,6 +59,9 @@ class SGLangLaunchConfig:
     nccl_port: int | None = None
     enable_metrics: bool = False
     dtype: str | None = None
+    quantization: str | None = None
+    """``fp8`` with a block-FP8 ``quantization_config`` in the model's config.json
+    (:func:`fp8_serving_dir`): the server holds fp8 weights + ``weight_scale_inv``."""
     context_length: int | None = None
     max_running_requests: int | None = None
     random_seed: int | None = None
@@ -82,7 +85,8 @@ def build_sglang_command(cfg: SGLangLaunchConfig, python: str = sys.executable) 
     argv += [a for flag, size in sizes if size != 1 for a in (flag, str(size))]
     optional = (("--mem-fraction-static", cfg.mem_fraction_static),
                 ("--load-format", cfg.load_format), ("--weight-version", cfg.weight_version),
-                ("--dtype", cfg.dtype), ("--context-length", cfg.context_length),
+                ("--dtype", cfg.dtype), ("--quantization", cfg.quantization),
+                ("--context-length", cfg.context_length),
                 ("--max-running-requests", cfg.max_running_requests),
                 ("--random-seed", cfg.random_seed), ("--nccl-port", cfg.nccl_port),
                 ("--log-level", cfg.log_level))
@@ -105,6 +109,36 @@ def build_sglang_command(cfg: SGLangLaunchConfig, python: str = sys.executable) 
                 ("--trust-remote-code", cfg.trust_remote_code))
     argv += [flag for flag, on in switches if on]
     return argv + list(cfg.extra_args)
+
+
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
+
+
+def fp8_serving_dir(model_path: str | Path, dest: str | Path) -> Path:
+    """A directory SGLang serves as a block-FP8 model with ``--load-format dummy``: every file
+    of ``model_path`` but the weights linked, and config.json with the block-FP8
+    ``quantization_config`` (docs/fp8.md: SGLang builds fp8 ``weight`` + ``weight_scale_inv``
+    parameters only for an FP8-serialized config; the trainer's first sync fills them)."""
+    import json
+
+    from megarl.weights.fp8 import QUANTIZATION_CONFIG
+
+    source, dest = Path(model_path), Path(dest)
+    config = json.loads((source / "config.json").read_text())
+    existing = config.get("quantization_config")
+    if existing and existing.get("quant_method") != "fp8":
+        raise ValueError(f"{source}/config.json: quantization_config {existing} is not fp8; "
+                         "rollout.quantization=fp8 needs a bf16 or block-FP8 checkpoint")
+    config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    dest.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        target = dest / item.name
+        if item.name == "config.json" or any(item.match(p) for p in WEIGHT_FILES):
+            continue
+        if not target.exists():
+            target.symlink_to(item.resolve())
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
 
 
 def build_router_command(worker_urls: Sequence[str], *, host: str = "127.0.0.1",
