@@ -18,8 +18,15 @@ bf16, 64 prompts of 256 tokens, 256 sampled tokens each. Each engine figure is a
 fraction of the decode memory-bandwidth floor: the weights plus every row's KV cache read once
 per decode step, over the device-to-device copy bandwidth measured in the same run.
 
+With ``--quantization fp8`` a second in-process engine runs the same model in block FP8
+(``engine_fp8``; docs/fp8.md) and each row adds its ratio to the bf16 engine and, on GPU, its
+fraction of the FP8 floor (the same reads with the FP8 weights' bytes). ``e2e_dense`` and
+``e2e_moe`` are the shapes of ``benchmarks/e2e_step.py`` (issue 31's decode comparison).
+
     python benchmarks/rollout_throughput.py --smoke            # seconds, CPU
     python benchmarks/rollout_throughput.py --device cuda --no-http
+    python benchmarks/rollout_throughput.py --device cuda --no-http --quantization fp8 \
+        --shapes e2e_moe,e2e_dense --num-prompts 64 --hf-repeats 0
 """
 
 from __future__ import annotations
@@ -97,17 +104,28 @@ SHAPES: dict[str, dict[str, Any]] = {
 SAMPLING = SamplingParams(temperature=1.0, ignore_eos=True)
 
 
+def _e2e_shapes() -> dict[str, dict[str, Any]]:
+    """``e2e_<shape>``: the model shapes of benchmarks/e2e_step.py."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_e2e_step_shapes", Path(__file__).with_name("e2e_step.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return {f"e2e_{name}": dict(dims) for name, dims in module.SHAPES.items()}
+
+
+SHAPES.update(_e2e_shapes())
+
+
 def build_model(root: Path, shape: str, device: str) -> Path:
     """A random model directory of the given shape (on GPU: initialised there, saved in bf16)."""
     overrides = dict(SHAPES[shape])
     arch = overrides.pop("arch")
+    overrides.setdefault("max_position_embeddings", 4096)
     if not device.startswith("cuda"):
-        return make_tiny_model(
-            root / shape, arch=arch, with_tokenizer=False, max_position_embeddings=4096, **overrides
-        )
+        return make_tiny_model(root / shape, arch=arch, with_tokenizer=False, **overrides)
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    cfg = tiny_config_dict(arch, max_position_embeddings=4096, **overrides)
+    cfg = tiny_config_dict(arch, **overrides)
     cfg["torch_dtype"] = "bfloat16"
     config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
     torch.manual_seed(0)
@@ -286,7 +304,15 @@ def run_shape(args: argparse.Namespace, shape: str, root: Path) -> dict[str, Any
         "hf_generate": HFGenerate(runner.model, prompts, args.device),
         "engine": InProcessEngine(engine, prompts),
     }
-    repeats = {"hf_generate": args.hf_repeats, "engine": args.repeats, "engine_http": args.repeats}
+    repeats = {"hf_generate": args.hf_repeats, "engine": args.repeats, "engine_http": args.repeats,
+               "engine_fp8": args.repeats}
+    fp8_runner = fp8_engine = None
+    if args.quantization == "fp8":
+        fp8_runner = ModelRunner(model_dir, device=args.device, dtype=str(runner.dtype).removeprefix(
+            "torch."), quantization="fp8")
+        fp8_engine = LocalEngine(fp8_runner, seed=0)
+        fp8_engine.start()
+        methods["engine_fp8"] = InProcessEngine(fp8_engine, prompts)
     server = None
     if not args.no_http and all(importlib.util.find_spec(m) for m in ("fastapi", "uvicorn")):
         from megarl.rollout.local.launch import launch_local_engines
@@ -303,6 +329,8 @@ def run_shape(args: argparse.Namespace, shape: str, root: Path) -> dict[str, Any
         results = measure(methods, scenarios, repeats, args.device)
     finally:
         engine.shutdown()
+        if fp8_engine is not None:
+            fp8_engine.shutdown()
         if server is not None:
             server.stop()
     row: dict[str, Any] = {
@@ -319,6 +347,9 @@ def run_shape(args: argparse.Namespace, shape: str, root: Path) -> dict[str, Any
             "fast_kernels": runner.native.fast_kernels,
             "cuda_graphs": runner.native.use_graphs,
         }
+    if fp8_runner is not None:
+        row["fp8_backend"] = fp8_runner.backend
+        row["fp8_vs_bf16"] = {s: by["engine_fp8"] / by["engine"] for s, by in results.items()}
     if on_gpu:
         bandwidth = copy_bandwidth(args.device)
         row["copy_gb_per_s"] = bandwidth / 1e9
@@ -326,6 +357,14 @@ def run_shape(args: argparse.Namespace, shape: str, root: Path) -> dict[str, Any
             s: decode_floor_tokens_per_s(runner.model, prompts, lengths, bandwidth)
             for s, lengths in scenarios.items()
         }
+        if fp8_runner is not None:
+            from megarl.rollout.local.fp8_layers import gemm_backend
+
+            row["fp8_gemm"] = gemm_backend()
+            row["floor_tokens_per_s_fp8"] = {
+                s: decode_floor_tokens_per_s(fp8_runner.model, prompts, lengths, bandwidth)
+                for s, lengths in scenarios.items()
+            }
     return row
 
 
@@ -333,13 +372,17 @@ def print_row(row: dict[str, Any]) -> None:
     """One line per scenario and method."""
     for scenario, by_method in row["results"].items():
         base = by_method["hf_generate"]
-        floor = row.get("floor_tokens_per_s", {}).get(scenario)
         for method, tps in by_method.items():
+            key = "floor_tokens_per_s_fp8" if method == "engine_fp8" else "floor_tokens_per_s"
+            floor = row.get(key, {}).get(scenario)
             extra = f"   {tps / floor:6.1%} of floor" if floor and method != "hf_generate" else ""
-            print(
-                f"{row['shape']:>6} {scenario:>7} {method:>12}: {tps:10.1f} tokens/s   "
-                f"ratio vs hf_generate {tps / base:6.2f}x{extra}"
-            )
+            ratio = f"ratio vs hf_generate {tps / base:6.2f}x" if base > 0 else "(no generate)"
+            print(f"{row['shape']:>6} {scenario:>7} {method:>12}: {tps:10.1f} tokens/s   "
+                  f"{ratio}{extra}")
+        if "fp8_vs_bf16" in row:
+            print(f"{row['shape']:>6} {scenario:>7} {'fp8 / bf16':>12}: "
+                  f"{row['fp8_vs_bf16'][scenario]:.2f}x ({row['fp8_backend']} decode)")
+        floor = row.get("floor_tokens_per_s", {}).get(scenario)
         if floor:
             print(
                 f"{row['shape']:>6} {scenario:>7} {'floor':>12}: {floor:10.1f} tokens/s   "
@@ -364,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf-repeats", type=int, default=None, help="timed generate runs")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (all methods)")
     p.add_argument("--out", default=None, help="write the JSON summary to this file")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="also run the engine in block FP8 (engine_fp8) and compare")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -375,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         (4, 16) if args.smoke else (256, 256) if on_gpu else (16, 64)
     )
     args.max_new_tokens = args.max_new_tokens or (16 if args.smoke else 256 if on_gpu else 128)
-    args.hf_repeats = args.hf_repeats or (1 if on_gpu else args.repeats)
+    if args.hf_repeats is None:
+        args.hf_repeats = 1 if on_gpu else args.repeats
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_shape(args, shape, Path(tmp)) for shape in args.shapes.split(",")]
     print(

@@ -31,6 +31,21 @@ def test_rollout_smoke_reports_engine_and_generate(tmp_path, capsys):
     assert all(v > 0 for v in row["results"]["fixed"].values())
 
 
+def test_rollout_smoke_compares_an_fp8_engine(tmp_path):
+    """``--quantization fp8``: the same prompts through a block-FP8 engine, its ratio to the
+    plain engine; the e2e shapes are e2e_step.py's."""
+    bench = load("rollout_throughput")
+    out = tmp_path / "rollout_fp8.json"
+    assert bench.main(["--smoke", "--no-http", "--repeats", "1", "--hf-repeats", "0",
+                       "--scenarios", "fixed", "--quantization", "fp8", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    fixed = row["results"]["fixed"]
+    assert fixed["hf_generate"] == 0 and fixed["engine"] > 0 and fixed["engine_fp8"] > 0
+    assert row["fp8_vs_bf16"]["fixed"] == fixed["engine_fp8"] / fixed["engine"]
+    e2e = load("e2e_step").SHAPES
+    assert bench.SHAPES["e2e_moe"] == e2e["moe"] and bench.SHAPES["e2e_dense"] == e2e["dense"]
+
+
 def test_actor_smoke_reports_both_sides(tmp_path):
     # its own process: the benchmark joins a one-rank gloo group and builds megatron state
     out = tmp_path / "actor.json"
