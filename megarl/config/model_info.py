@@ -119,6 +119,12 @@ class ModelInfo:
         return (self.embedding_params() + self.num_layers * self.attention_params()
                 + n_dense * dense_mlp + self.moe_layers * moe_mlp)
 
+    def fp8_params(self) -> int:
+        """Parameters a block-FP8 checkpoint stores in FP8: every projection of attention, MLPs,
+        routed and shared experts; not the embeddings, the output layer or the routers."""
+        return (self.param_count() - self.embedding_params()
+                - self.moe_layers * self.hidden_size * self.num_experts)
+
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:
         """KV-cache bytes one token takes on one GPU of an engine with tensor parallel ``tp``."""
         nbytes = DTYPE_BYTES[dtype]

@@ -152,6 +152,33 @@ def test_engine_and_sync_by_hand(tiny_moe_dir):
     assert est.sync == est.update.state.total + 16 * 2**20  # actor state + one 16 MB bucket
 
 
+def test_fp8_engines_hold_one_byte_per_projection_weight(tiny_moe_dir):
+    """rollout.quantization=fp8: the engine's projections take 1 byte (+ an fp32 scale per
+    128x128 block), embeddings, output layer and routers keep rollout.dtype; the KV cache gets
+    what that frees. Qwen3-30B-A3B: 30.5B parameters, 0.62B of them embeddings and head."""
+    from config_archs import QWEN3_30B_A3B
+
+    from megarl.config.estimates import engine_weight_bytes
+    from megarl.config.model_info import model_info_from_dict
+
+    est, model = tiny_estimate(tiny_moe_dir, "resources.gpu_memory_gb=0.01")
+    fp8, _ = tiny_estimate(tiny_moe_dir, "resources.gpu_memory_gb=0.01",
+                           "rollout.quantization=fp8", "rollout.backend=local")
+    h, vocab, experts, layers = 64, 128, 4, 2
+    router = layers * h * experts
+    projections = model.param_count() - 2 * vocab * h - router
+    assert model.fp8_params() == projections
+    assert fp8.engine.weights == math.ceil(projections * (1 + 4 / 128**2)
+                                           + (2 * vocab * h + router) * 4)
+    assert fp8.engine.sequences_fit > est.engine.sequences_fit
+    qwen = model_info_from_dict(QWEN3_30B_A3B)
+    bf16, in_fp8 = (engine_weight_bytes(qwen, "bfloat16", q) for q in (None, "fp8"))
+    assert 30e9 < qwen.param_count() < 31e9
+    assert in_fp8 == pytest.approx(qwen.fp8_params() * (1 + 4 / 128**2)
+                                   + (qwen.param_count() - qwen.fp8_params()) * 2)
+    assert 0.5 < in_fp8 / bf16 < 0.52
+
+
 def test_colocated_offload_defaults_and_the_sync_with_param_offload(tiny_moe_dir):
     """Colocated: grads and optimizer state leave the GPU while the engine generates (the
     default); the sync reads the parameters even with param offload, which starts after it."""
