@@ -47,7 +47,7 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   offload starts after it) + one bucket (+ the engine's weights, colocated).
 * Rollout GPU: engine weights = params x bytes(rollout.dtype) / gpus_per_engine (with
   ``rollout.quantization=fp8`` the projections take 1 byte each plus an fp32 scale per 128x128
-  block, :func:`engine_weight_bytes`); the KV-cache pool
+  block, :meth:`ModelInfo.weight_bytes`); the KV-cache pool
   is the rest of gpu_memory x gpu_memory_utilization (SGLang's mem_fraction_static); colocated
   engines share the GPU with what the train roles keep.
 """
@@ -384,20 +384,6 @@ def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: 
     return max(candidates, key=lambda m: m.total)
 
 
-FP8_BYTES_PER_PARAM = 1 + 4 / (128 * 128)
-"""An e4m3 weight and its share of a 128x128 block's fp32 ``weight_scale_inv``."""
-
-
-def engine_weight_bytes(model: ModelInfo, dtype: str, quantization: str | None) -> float:
-    """Bytes of an engine's whole copy of the weights: ``dtype``, or block FP8 for every
-    projection (:meth:`ModelInfo.fp8_params`) with the rest in ``dtype``."""
-    total = model.param_count()
-    if quantization != "fp8":
-        return total * DTYPE_BYTES[dtype]
-    fp8 = model.fp8_params()
-    return fp8 * FP8_BYTES_PER_PARAM + (total - fp8) * DTYPE_BYTES[dtype]
-
-
 def engine_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
                   train_resident: int) -> EngineMemory | None:
     """One rollout-engine GPU (None without a rollout pool)."""
@@ -408,7 +394,7 @@ def engine_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
     tp = rollout.gpus_per_engine
     return EngineMemory(
         gpus_per_engine=tp,
-        weights=math.ceil(engine_weight_bytes(model, dtype, rollout.quantization) / tp),
+        weights=math.ceil(model.weight_bytes(dtype, rollout.quantization) / tp),
         kv_bytes_per_sequence=model.kv_bytes_per_token(dtype, tp) * sizes.max_sequence_length,
         usable=None if mem_gb is None else int(mem_gb * GB * rollout.gpu_memory_utilization),
         max_num_seqs=sizes.max_num_seqs,

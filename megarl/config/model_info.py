@@ -125,6 +125,16 @@ class ModelInfo:
         return (self.param_count() - self.embedding_params()
                 - self.moe_layers * self.hidden_size * self.num_experts)
 
+    def weight_bytes(self, dtype: str, quantization: str | None = None) -> float:
+        """Bytes of one whole copy of the weights: ``dtype``, or with ``quantization="fp8"``
+        every projection in e4m3 with an fp32 scale per 128x128 block and the rest in
+        ``dtype``."""
+        total = self.param_count()
+        if quantization != "fp8":
+            return total * DTYPE_BYTES[dtype]
+        fp8 = self.fp8_params()
+        return fp8 * (1 + 4 / (128 * 128)) + (total - fp8) * DTYPE_BYTES[dtype]
+
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:
         """KV-cache bytes one token takes on one GPU of an engine with tensor parallel ``tp``."""
         nbytes = DTYPE_BYTES[dtype]

@@ -158,7 +158,6 @@ def test_fp8_engines_hold_one_byte_per_projection_weight(tiny_moe_dir):
     what that frees. Qwen3-30B-A3B: 30.5B parameters, 0.62B of them embeddings and head."""
     from config_archs import QWEN3_30B_A3B
 
-    from megarl.config.estimates import engine_weight_bytes
     from megarl.config.model_info import model_info_from_dict
 
     est, model = tiny_estimate(tiny_moe_dir, "resources.gpu_memory_gb=0.01")
@@ -172,7 +171,7 @@ def test_fp8_engines_hold_one_byte_per_projection_weight(tiny_moe_dir):
                                            + (2 * vocab * h + router) * 4)
     assert fp8.engine.sequences_fit > est.engine.sequences_fit
     qwen = model_info_from_dict(QWEN3_30B_A3B)
-    bf16, in_fp8 = (engine_weight_bytes(qwen, "bfloat16", q) for q in (None, "fp8"))
+    bf16, in_fp8 = (qwen.weight_bytes("bfloat16", q) for q in (None, "fp8"))
     assert 30e9 < qwen.param_count() < 31e9
     assert in_fp8 == pytest.approx(qwen.fp8_params() * (1 + 4 / 128**2)
                                    + (qwen.param_count() - qwen.fp8_params()) * 2)

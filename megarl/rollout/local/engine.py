@@ -2,18 +2,17 @@
 
 Requests (one prompt, ``n`` samples) wait in a queue; every step admits waiting prompts up to
 the row, prefill-token and KV-cache budgets (``max_total_tokens``: the token slots the KV cache
-may hold at its peak, each row counted at its final length, prompt + ``max_new_tokens``, as
-SGLang's ``--max-total-tokens`` bounds its pool), prefills them together (the prompt once, its KV copied to
-the ``n`` sample rows), samples their first tokens and adds them to the running batch; then the
-whole batch decodes one token. Requests that arrive while others run join at the next step.
+may hold at its peak, each row at its final length, as SGLang's ``--max-total-tokens`` bounds
+its pool), prefills them together (the prompt once, its KV copied to the ``n`` sample rows),
+samples their first tokens and adds them to the running batch; then the whole batch decodes one
+token. Requests that arrive while others run join at the next step. Each row may name a LoRA
+adapter (``lora_path``), applied to its rows only (lora_serving.py).
 
-A step that runs out of device memory (``torch.OutOfMemoryError``: something else on the GPU, such
-as a colocated trainer's leftovers, holds more than the budgets assumed) fails nothing at first:
-the running rows are retracted with their tokens (as ``/pause_generation`` ``retract`` does), the
-KV cache and decode graphs are freed, the KV budget shrinks to three quarters of what the cache
-held (and the prefill budget halves if a prefill failed), and the rows queue again. Only
-:data:`OOM_RETRIES` failures in a row without a completed step fail the requests, with the
-error.
+A step that runs out of device memory (``torch.OutOfMemoryError``: e.g. a colocated trainer's
+leftovers) fails nothing at first: the running rows are retracted with their tokens (as
+``/pause_generation`` ``retract`` does), the KV cache and decode graphs are freed, the KV budget
+shrinks to three quarters of what the cache held (the prefill budget halves if a prefill
+failed), and the rows queue again; :data:`OOM_RETRIES` failures in a row fail the requests.
 
 Everything that touches the model (generation, weight loads, aborts, pause modes) runs on the
 engine thread, between steps: other threads hand it functions through :meth:`LocalEngine.call`,
@@ -61,6 +60,8 @@ class Request:
     return_logprob: bool = True
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
+    lora: str | None = None
+    """The LoRA adapter the prompt is generated with (``lora_path``; None: the base model)."""
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     created: float = field(default_factory=time.monotonic)
     samples: list[Sample] = field(default_factory=list)
@@ -287,8 +288,16 @@ class LocalEngine:
         except Exception as err:  # noqa: BLE001  (the caller receives it through the future)
             future.set_exception(err)
 
+    def requests_using(self, adapter: str) -> int:
+        """Requests running or waiting with LoRA adapter ``adapter`` (engine thread)."""
+        rows = [*(u.samples[0] for u in self._waiting), *self._rows]
+        return len({id(s.request) for s in rows if not s.finish and s.request.lora == adapter})
+
     def _enqueue(self, request: Request) -> None:
         runner, p = self.runner, request.params
+        if request.lora is not None and request.lora not in getattr(runner.lora, "adapters", {}):
+            request.future.set_exception(ValueError(f"lora_path {request.lora!r} was unloaded"))
+            return
         max_new = min(p.max_new_tokens, runner.context_length - len(request.prompt_ids))
         stop_ids = frozenset(p.stop_token_ids) | (
             frozenset() if p.ignore_eos else frozenset(runner.eos_token_ids))
@@ -363,6 +372,8 @@ class LocalEngine:
 
     def _prefill(self, units: list[_Prefill]) -> None:
         want_routes = any(s.request.return_routed_experts for u in units for s in u.samples)
+        if self.runner.lora is not None:
+            self.runner.lora.set_rows([u.samples[0].request.lora for u in units])
         out, kv = self.runner.prefill([u.context for u in units], want_routes)
         expand = [i for i, u in enumerate(units) for _ in u.samples]
         samples = [s for u in units for s in u.samples]
@@ -387,6 +398,8 @@ class LocalEngine:
         oom_point("engine_decode")
         rows = self._rows  # finished rows stay until compaction; their results are ignored
         want_routes = any(s.request.return_routed_experts and s.finish is None for s in rows)
+        if self.runner.lora is not None:
+            self.runner.lora.set_rows([s.request.lora for s in rows])
         out = self.runner.decode([s.output_ids[-1] for s in rows], want_routes,
                                  sampling=self._fused_sampling())
         if out.routes is not None:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from megarl.rollout.local.fp8_layers import Fp8Experts, quantize_model
+from megarl.rollout.local.lora_serving import LoraServing
 from megarl.rollout.local.sampling import FusedSampling
 from megarl.rollout.local.static_kv import NativeDecoder, PrefillKV, native_unsupported_reason
 
@@ -147,7 +148,7 @@ class ModelRunner:
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto",
                  context_length: int | None = None, backend: Backend = "auto",
                  cuda_graphs: bool = True, trust_remote_code: bool = False,
-                 quantization: str | None = None) -> None:
+                 quantization: str | None = None, enable_lora: bool = False) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -165,6 +166,8 @@ class ModelRunner:
         self.quantization = quantization
         if quantization == "fp8":  # block-FP8 projections, computed w8a8 (fp8_layers)
             quantize_model(self.model)
+        self.lora = LoraServing(self.model) if enable_lora else None
+        """The LoRA adapters served (``--enable-lora``; lora_serving.py), or None."""
         self.config = self.model.config
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
         self.context_length = int(context_length or getattr(
@@ -184,6 +187,8 @@ class ModelRunner:
         reason = native_unsupported_reason(self.model)
         if reason is None and any(isinstance(m, Fp8Experts) for m in self.model.modules()):
             reason = "FP8 experts (the block-FP8 grouped GEMM of the decode path is not built)"
+        if reason is None and self.lora is not None:
+            reason = "LoRA serving (--enable-lora: adapters run as hooks of the HF modules)"
         if backend == "native" and reason is not None:
             raise ValueError(f"backend='native' cannot run {self.model_path}: {reason}; use 'hf'")
         if backend == "hf" or (backend == "auto" and (self.device.type != "cuda" or reason)):

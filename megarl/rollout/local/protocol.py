@@ -25,8 +25,8 @@ from megarl.rollout.routed_experts import RoutedExpertsLayout
 
 # Top-level /generate fields that would change the answer and that megarl does not implement.
 UNSUPPORTED_TRUTHY = ("stream", "top_logprobs_num", "token_ids_logprob", "return_hidden_states",
-                      "lora_path", "custom_logit_processor", "image_data", "audio_data",
-                      "video_data", "input_embeds")
+                      "custom_logit_processor", "image_data", "audio_data", "video_data",
+                      "input_embeds")
 
 
 class BadRequest(ValueError):
@@ -129,6 +129,9 @@ def parse_generate(body: Any, limits: Limits, tokenizer: Any = None) -> tuple[li
     routes_start = _per_item(body.get("routed_experts_start_len", 0), count,
                              "routed_experts_start_len")
     rids = _per_item(body.get("rid"), count, "rid")
+    loras = _per_item(body.get("lora_path"), count, "lora_path")
+    if any(x is not None and not isinstance(x, str) for x in loras):
+        raise BadRequest("lora_path: the name of a loaded LoRA adapter, or a list of them")
     if len({p.get("n", 1) for p in sampling if isinstance(p, dict)}) > 1:
         raise NormalizeError(MIXED_N_MESSAGE)
     requests = []
@@ -147,7 +150,8 @@ def parse_generate(body: Any, limits: Limits, tokenizer: Any = None) -> tuple[li
         rid = rids[i] if rids[i] is not None else uuid.uuid4().hex
         requests.append(Request(
             rid=str(rid), prompt_ids=prompt, params=params, return_logprob=bool(logprob[i]),
-            return_routed_experts=bool(routes[i]), routed_experts_start_len=routes_start[i]))
+            return_routed_experts=bool(routes[i]), routed_experts_start_len=routes_start[i],
+            lora=loras[i]))
     return requests, batched or any(r.params.n > 1 for r in requests)
 
 

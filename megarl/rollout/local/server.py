@@ -48,6 +48,8 @@ from megarl.rollout.local.checkpoint_engine import CheckpointEndpoint
 from megarl.rollout.local.engine import MEMORY_TAGS, OOM_RETRIES, LocalEngine
 from megarl.rollout.local.engine import Request as EngineRequest
 from megarl.rollout.local.launch import API_KEY_ENV, is_loopback_host
+from megarl.rollout.local.lora_endpoints import NOT_ENABLED, add_lora_routes
+from megarl.rollout.local.lora_serving import AdapterError
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.protocol import (
     BadRequest,
@@ -190,12 +192,25 @@ def load_tokenizer(model_path: str, trust_remote_code: bool = False) -> Any:
         return None
 
 
+def _check_adapters(engine: LocalEngine, names: list[str | None]) -> None:
+    """Refuse (400) a request naming a LoRA adapter the engine does not hold."""
+    if all(n is None for n in names):
+        return
+    if engine.runner.lora is None:
+        raise BadRequest(f"lora_path: {NOT_ENABLED}")
+    try:
+        engine.runner.lora.check(names)
+    except AdapterError as err:
+        raise BadRequest(str(err)) from None
+
+
 def _generation_routes(app: FastAPI, state: ServerState) -> None:
     engine = state.engine
 
     @app.post("/generate")
     async def generate(request: Request) -> Any:
         requests, as_list = parse_generate(await _body(request), state.limits, state.tokenizer)
+        _check_adapters(engine, [r.lora for r in requests])
         if "weights" in engine.released:
             raise BadRequest("weights are released (/release_memory_occupation); call "
                              "/resume_memory_occupation first")
@@ -413,6 +428,7 @@ def build_app(state: ServerState) -> FastAPI:
     _generation_routes(app, state)
     _info_routes(app, state)
     _weight_routes(app, state)
+    add_lora_routes(app, state.engine, _body)
     return app
 
 
@@ -428,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: block-FP8 projections (e4m3 weights, 128x128 weight_scale_inv), "
                         "computed w8a8; weight updates must send FP8 weights and their scales")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (/load_lora_adapter*, lora_path in /generate); "
+                        "decodes through the HF modules")
     p.add_argument("--context-length", type=int, default=None,
                    help="max prompt + response tokens (default: max_position_embeddings)")
     p.add_argument("--max-running-requests", type=int, default=256,
@@ -465,7 +484,7 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                          context_length=args.context_length,
                          trust_remote_code=args.trust_remote_code,
-                         quantization=args.quantization)
+                         quantization=args.quantization, enable_lora=args.enable_lora)
     budget = kv_token_budget(args, runner)
     engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
                          max_prefill_tokens=args.max_prefill_tokens,
