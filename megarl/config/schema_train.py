@@ -148,6 +148,13 @@ class LoraConfig(Section):
         "targeted layers left without adapters: fnmatch patterns over layers.{i}.{path} with "
         "the global layer index i, e.g. layers.0.self_attention.linear_qkv, layers.1.*, "
         "*.linear_proj; each must match a targeted layer"))
+    sync: Literal["merged", "adapter"] = Field("merged", description=(
+        "what the weight sync sends: merged = W + alpha/r * B A under the HF names (any engine); "
+        "adapter = only the adapters, in PEFT's names, through SGLang's "
+        "/load_lora_adapter_from_tensors (a new name per version, the previous one unloaded; "
+        "every request names it with lora_path); the engines keep model.path as the base, so "
+        "model.mcore_checkpoint is refused. Embedded engines (rollout.backend=local) under "
+        "scheduler.mode=colocate_sync only in this version"))
 
 
 class ActorConfig(Section):

@@ -240,6 +240,10 @@ def check_lora(ctx: Context) -> Iterator[Problem]:
         yield error(("actor.lora.rank", "actor.cuda_graphs"), "megarl's CUDA-graphed update "
                     "captures the full-weight layers; its graphs do not run the adapters",
                     "set actor.cuda_graphs=false or actor.lora.rank=0")
+    if lora.sync == "adapter" and cfg.model.mcore_checkpoint:
+        yield error(("actor.lora.sync", "model.mcore_checkpoint"), "the adapter sync sends "
+                    "only the adapters, so the engines keep model.path as their base, while the "
+                    "actor's base comes from the checkpoint", "set actor.lora.sync=merged")
     model = ctx.model
     if model is None:
         return

@@ -390,15 +390,11 @@ def load_peft_state_dict(model: ActorModel, state: dict[str, torch.Tensor]) -> N
                                   for k in keys])
 
 
-def save_peft_adapter(model: ActorModel, settings: LoraSettings, out: str | Path,
-                      base_model: str | None = None) -> Path | None:
-    """Write the adapters as a PEFT adapter directory (``adapter_config.json`` +
-    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads on the HF
-    model; collective over the model-parallel groups, global rank 0 writes and gets the
-    directory (the others None). Every adapted HF module is named in ``target_modules`` (so
-    exclusions carry over)."""
-    from safetensors.torch import save_file
-
+def peft_adapter(model: ActorModel, settings: LoraSettings, base_model: str | None = None
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+    """(``adapter_config.json``, state dict) of the adapters in PEFT's format, whole; collective
+    over the model-parallel groups, global rank 0 gets them (the others None). Every adapted HF
+    module is named in ``target_modules`` (so exclusions carry over)."""
     stages = [None] * mpu.get_pipeline_model_parallel_world_size()
     dist.all_gather_object(stages, peft_state_dict(model),
                            group=mpu.get_pipeline_model_parallel_group())
@@ -411,6 +407,20 @@ def save_peft_adapter(model: ActorModel, settings: LoraSettings, out: str | Path
               "lora_alpha": settings.alpha, "lora_dropout": settings.dropout, "bias": "none",
               "target_modules": modules, "base_model_name_or_path": base_model,
               "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True}
+    return config, tensors
+
+
+def save_peft_adapter(model: ActorModel, settings: LoraSettings, out: str | Path,
+                      base_model: str | None = None) -> Path | None:
+    """Write :func:`peft_adapter` as a PEFT adapter directory (``adapter_config.json`` +
+    ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained`` loads on the HF
+    model; collective, global rank 0 writes and gets the directory (the others None)."""
+    from safetensors.torch import save_file
+
+    adapter = peft_adapter(model, settings, base_model)
+    if adapter is None:
+        return None
+    config, tensors = adapter
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})

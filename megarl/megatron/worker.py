@@ -32,7 +32,7 @@ from megarl.megatron.checkpoint import (
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
 from megarl.megatron.hf_export import export_hf_weights
 from megarl.megatron.logprobs import compute_log_probs
-from megarl.megatron.lora import apply_lora, export_merged_weights
+from megarl.megatron.lora import apply_lora, export_merged_weights, peft_adapter
 from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
 from megarl.megatron.offload import PARTS, StateOffloader
 from megarl.megatron.optimizer import TrainableActor
@@ -316,6 +316,17 @@ class ActorWorker(Worker):
                 yield from export_merged_weights(model)
             else:
                 yield from export_hf_weights(model)
+
+    def lora_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
+        """The adapters in PEFT's format (``adapter_config.json``, state dict on the CPU), for
+        the adapter sync; collective, rank 0 gets them (the others None)."""
+        with self._phase("sync_weights"):
+            self._move(self.offloader, "reload", ["param"])
+            adapter = peft_adapter(self.actor.model, self.spec.lora)
+        if adapter is None:
+            return None
+        config, tensors = adapter
+        return config, {name: t.detach().cpu() for name, t in tensors.items()}
 
     def weight_specs(self) -> list[tuple[str, list[int]]]:
         """HF names and shapes of every exported tensor, in export order (collective)."""

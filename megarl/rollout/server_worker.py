@@ -48,6 +48,9 @@ class EngineSpec:
     """Key the server requires on every endpoint (``rollout.api_key``); never printed."""
     trust_remote_code: bool = False
     """Let the engine load custom code shipped with the model (``model.trust_remote_code``)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (``actor.lora.sync: adapter``): the embedded engine's
+    ``--enable-lora``."""
     quantization: str | None = None
     """``fp8``: the engine holds its projections in block FP8 (``rollout.quantization``;
     docs/fp8.md); SGLang starts from dummy weights, which the trainer's first sync replaces."""
@@ -60,6 +63,8 @@ def local_engine_args(spec: EngineSpec) -> list[str]:
         extra.append("--trust-remote-code")
     if spec.quantization:
         extra += ["--quantization", spec.quantization]
+    if spec.enable_lora:
+        extra.append("--enable-lora")
     return extra
 
 

@@ -150,7 +150,8 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       return_routed_experts=bool(r.enable_return_routed_experts),
                       colocated=r.colocate, api_key=r.api_key,
                       trust_remote_code=cfg.model.trust_remote_code,
-                      quantization=r.quantization)
+                      quantization=r.quantization,
+                      enable_lora=cfg.actor.lora.rank > 0 and cfg.actor.lora.sync == "adapter")
 
 
 class _DriverHttp:
@@ -190,14 +191,56 @@ class _DriverHttp:
             raise self.error
 
 
+ADAPTER_NAME = "policy-v{version}"
+"""The engines' name of the adapter of weight version ``version`` (``actor.lora.sync``)."""
+
+
+def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient,
+                  urls: list[str], is_driver: bool) -> Callable[..., dict[str, float]]:
+    """The per-step sync of ``actor.lora.sync: adapter``: rank 0's adapters in PEFT's format
+    go to every engine as adapter ``policy-v<version>`` (SGLang's
+    ``/load_lora_adapter_from_tensors``, one flattened bucket inline), every later request
+    names it, and the previous version is unloaded. A restarted engine has none loaded: it
+    gets the new one like the others."""
+    from megarl.weights.flattened import flatten_bucket, serialize
+
+    timeout = cfg.trainer.phase_timeout_s
+
+    def sync(version: str, restart: list[int] | tuple[int, ...] = ()) -> dict[str, float]:
+        if restart:
+            rollout.execute_all("restart", [urls[i] for i in restart], timeout)
+        adapter = actor.execute_all("lora_adapter")[0]
+        name, previous = ADAPTER_NAME.format(version=version), client.lora_path
+        if is_driver:
+            config, tensors = adapter
+            payload = flatten_bucket(list(tensors.items()))
+
+            async def push(engines: SGLangClient) -> None:
+                await engines.load_lora_adapter_from_tensors(
+                    name, config, serialize(payload), load_format=FLATTENED_BUCKET)
+                if previous is not None and not restart:
+                    await engines.unload_lora_adapter(previous)
+
+            _DriverHttp(urls, push, cfg.rollout.api_key,
+                        cfg.rollout.gpus_per_engine).join(timeout, "sync_weights (adapter)")
+        client.lora_path = name
+        sent = sum(t.numel() * t.element_size() for t in adapter[1].values()) if adapter else 0
+        return {"checkpoint_engine/bytes": float(sent)}
+
+    return sync
+
+
 def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
-                 device: str) -> Callable[..., dict[str, float]]:
+                 device: str, client: SGLangClient | None = None
+                 ) -> Callable[..., dict[str, float]]:
     """The per-step sync function ``sync(version, restart=())``, over SGLang's protocol:
     colocated engines (``checkpoint_engine.backend`` ipc) get ``/update_weights_from_tensor``
     from the train ranks sharing their GPUs; separate pools (nccl; gloo on CPU) get
     ``/update_weights_from_distributed`` while train rank 0 broadcasts each bucket. With
     ``restart`` (engine indices the client marked down) those engines are restarted first (and
     the broadcast group, which a dead member breaks, is formed again)."""
+    if cfg.actor.lora.rank and cfg.actor.lora.sync == "adapter":
+        return _adapter_sync(cfg, actor, rollout, client, urls, is_driver)
     dtype = cfg.rollout.dtype or cfg.model.dtype
     timeout = cfg.trainer.phase_timeout_s
     gpus = cfg.rollout.gpus_per_engine
@@ -440,8 +483,9 @@ def rollout_client(cfg: RunConfig, urls: list[str]) -> SGLangClient:
 def _assemble(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
               device: str, num_rollout_gpus: int, started_ray: bool) -> Workers:
     layouts = actor.execute_all("layout")
-    sync = _weight_sync(cfg, actor, rollout, urls, is_driver, device)
-    return Workers(actor=actor, rollout=rollout, client=rollout_client(cfg, urls),
+    client = rollout_client(cfg, urls)
+    sync = _weight_sync(cfg, actor, rollout, urls, is_driver, device, client)
+    return Workers(actor=actor, rollout=rollout, client=client,
                    dp_size=layouts[0]["dp_size"], dp_rank=[x["dp_rank"] for x in layouts],
                    reports=[bool(x["reports"]) for x in layouts],
                    num_rollout_gpus=num_rollout_gpus, weight_sync=sync, started_ray=started_ray)

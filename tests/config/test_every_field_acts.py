@@ -282,6 +282,7 @@ FIELDS: dict[str, Row] = {
                                       "actor.lora.rank=8"),
     "actor.lora.exclude_modules": spec("[layers.0.*]", "actor.lora.exclude_modules",
                                        "actor.lora.rank=8"),
+    "actor.lora.sync": spec("adapter", "argv", "actor.lora.rank=8", "rollout.backend=local"),
     "actor.cuda_graphs": spec("true", "actor.cuda_graphs"),
     "actor.cuda_graph_bucket_tokens": spec(512, "actor.cuda_graph_bucket_tokens"),
     "actor.log_prob_micro_batch_size_per_gpu": spec(

@@ -115,3 +115,30 @@ def test_the_lora_demo_learns(seed, tmp_path):
     first, last = first_and_last_fifth(history, "critic/score/mean")
     assert last > first + 0.15, (first, last, [m["critic/score/mean"] for m in history])
     assert max(m["training/rollout_probs_diff_max"] for m in history) < 1e-5
+
+
+def test_the_adapter_sync_sends_only_the_adapters_and_the_engine_serves_them(tmp_path):
+    """``actor.lora.sync=adapter`` on the LoRA demo: each sync loads the actor's adapters
+    into the engine as ``policy-v<step>`` and every request names it; the engine's base weights
+    stay the random model's, yet it scores the samples as the actor does (it applies the
+    trained adapters), and a sync moves the adapters' bytes only."""
+    trainer = lora_demo_trainer(tmp_path, 0, "trainer.total_steps=2", "actor.lora.sync=adapter")
+    try:
+        trainer.setup()
+        history = trainer.fit()
+        assert trainer.workers.client.lora_path == "policy-v2"
+        config, tensors = trainer.workers.actor.execute_all("lora_adapter")[0]
+        name = "model.layers.0.self_attn.q_proj.weight"
+        held = trainer.run(trainer.workers.client.get_weights_by_name(name, 10**9))[0]
+    finally:
+        trainer.close()
+    start = load_file(tmp_path / "assets" / "model" / "model.safetensors")
+    assert torch.equal(torch.tensor(held), start[name])  # the base is not merged
+    assert config["r"] == 16 and len(tensors) == 2 * 2 * len(ADAPTED)
+    adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert adapter_bytes < 0.5 * sum(t.numel() * t.element_size() for t in start.values())
+    for step, metrics in enumerate(history, start=1):
+        assert metrics["training/rollout_probs_diff_max"] < 1e-5, step
+        assert metrics["rollout/weight_version"] == step
+        assert metrics["checkpoint_engine/bytes"] == adapter_bytes
+    assert history[1]["actor/pg_loss"] != history[0]["actor/pg_loss"]

@@ -116,6 +116,9 @@ class SGLangClient(EngineCalls):
         self.health_timeout_s = health_timeout_s
         self.on_engine_down = on_engine_down
         self.balancer = LoadBalancer(len(self.urls))
+        self.lora_path: str | None = None
+        """The loaded LoRA adapter every ``/generate`` names (``actor.lora.sync: adapter``);
+        None: the engines' own weights."""
         self.stats = ClientStats(requests=[0] * len(self.urls))
         self._limit = max_concurrency_per_engine
         self._semaphores: list[asyncio.Semaphore] | None = None
@@ -212,6 +215,8 @@ class SGLangClient(EngineCalls):
                 payload = generate_payload(prompt_ids, [items[j][1] for j in todo], rids=rids,
                                            return_logprob=return_logprob,
                                            return_routed_experts=return_routed_experts)
+                if self.lora_path is not None:  # the policy's LoRA adapter (adapter sync)
+                    payload["lora_path"] = self.lora_path
                 cost = (len(prompt_ids) + items[0][1].max_new_tokens) * len(todo)
                 engine = await self._acquire(key, cost)
                 epoch = self._abort_epoch

@@ -152,6 +152,28 @@ class EngineCalls(RolloutEngine):
             bodies.append(body)
         await self._each_outcome("/update_weights_from_tensor", bodies, targets)
 
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict[str, Any],
+                                             serialized_tensors: str,
+                                             load_format: str | None = None) -> None:
+        """Every engine loads adapter ``lora_name`` (PEFT's config and serialized tensors)."""
+        body = {"lora_name": lora_name, "config_dict": config_dict,
+                "serialized_tensors": serialized_tensors, "load_format": load_format}
+        await self._each_lora("/load_lora_adapter_from_tensors", body)
+
+    async def unload_lora_adapter(self, lora_name: str) -> None:
+        """Every engine drops adapter ``lora_name``."""
+        await self._each_lora("/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def _each_lora(self, path: str, body: dict[str, Any]) -> None:
+        """POST a LoRA endpoint (SGLang's ``LoRAUpdateOutput`` answer) on every engine."""
+        responses = await asyncio.gather(*(self._request("POST", url + path, body, retry=False)
+                                           for url in self.urls))
+        for url, response in zip(self.urls, responses):
+            data = json_object(response)
+            if response.status_code >= 400 or not data.get("success", True):
+                reason = data.get("error_message") or error_message(response)
+                raise EngineError(f"POST {url}{path} failed: {reason}", url=url)
+
     async def update_weights_from_disk(
         self, model_path: str, *, weight_version: str | None = None,
     ) -> None:
