@@ -52,13 +52,13 @@ def _tensors(body: dict[str, Any]) -> dict[str, Any]:
 
 def add_lora_routes(app: FastAPI, engine: LocalEngine, body_of: Callable[..., Any]) -> None:
     """The three LoRA endpoints on ``app`` (``body_of``: the server's JSON body reader)."""
-    lora = engine.runner.lora
 
-    async def on_engine(fn: Callable[[], None]) -> JSONResponse:
+    async def on_engine(fn: Callable[[LoraServing], None]) -> JSONResponse:
+        lora = engine.runner.lora
         if lora is None:
             return _answer(None, NOT_ENABLED)
         try:
-            await asyncio.wrap_future(engine.call(fn))
+            await asyncio.wrap_future(engine.call(lambda: fn(lora)))
         except AdapterError as err:
             return _answer(lora, str(err))
         return _answer(lora, None)
@@ -73,7 +73,7 @@ def add_lora_routes(app: FastAPI, engine: LocalEngine, body_of: Callable[..., An
     async def load_lora_adapter(request: Request) -> JSONResponse:
         body = await body_of(request)
 
-        def load() -> None:
+        def load(lora: LoraServing) -> None:
             path = body.get("lora_path")
             if not isinstance(path, str):
                 raise AdapterError("lora_path: required, a PEFT adapter directory")
@@ -86,7 +86,7 @@ def add_lora_routes(app: FastAPI, engine: LocalEngine, body_of: Callable[..., An
     async def load_lora_adapter_from_tensors(request: Request) -> JSONResponse:
         body = await body_of(request)
 
-        def load() -> None:
+        def load(lora: LoraServing) -> None:
             config = body.get("config_dict")
             if not isinstance(config, dict):
                 raise AdapterError("config_dict: required, the adapter's adapter_config.json")
@@ -98,7 +98,7 @@ def add_lora_routes(app: FastAPI, engine: LocalEngine, body_of: Callable[..., An
     async def unload_lora_adapter(request: Request) -> JSONResponse:
         body = await body_of(request)
 
-        def unload() -> None:
+        def unload(lora: LoraServing) -> None:
             name = name_of(body)
             users = engine.requests_using(name)
             if users:
