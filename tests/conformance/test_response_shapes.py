@@ -145,6 +145,18 @@ ROWS = {
     # http_server.py health (= health_generate): 200 when serving
     "health": Row("GET", "/health", None, 200, lambda b: True,
                   "entrypoints/http_server.py health_generate"),
+    # tokenizer_communicator_mixin.py load_lora_adapter_from_tensors / unload_lora_adapter: a
+    # server without --enable-lora answers LoRAUpdateOutput(success=False) with its ValueError,
+    # which http_server.py returns as 400
+    "load_lora_adapter_from_tensors": Row(
+        "POST", "/load_lora_adapter_from_tensors",
+        {"lora_name": "policy-v1", "config_dict": {"r": 8}, "serialized_tensors": ""}, 400,
+        lambda b: b["success"] is False and "--enable-lora" in b["error_message"],
+        "managers/tokenizer_communicator_mixin.py load_lora_adapter_from_tensors"),
+    "unload_lora_adapter": Row(
+        "POST", "/unload_lora_adapter", {"lora_name": "policy-v1"}, 400,
+        lambda b: b["success"] is False and "--enable-lora" in b["error_message"],
+        "managers/tokenizer_communicator_mixin.py unload_lora_adapter"),
 }
 
 
