@@ -33,6 +33,28 @@ DEFAULT_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2",
 but the routed experts')."""
 
 
+HF_MODULES: dict[str, tuple[str, ...]] = {
+    "linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "linear_proj": ("self_attn.o_proj",),
+    "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+    "linear_fc2": ("mlp.down_proj",),
+}
+"""The HF modules (under ``model.layers.{i}.``) of each target's adapters, in adapter-part
+order (a shared expert's are the same projections under its own module)."""
+
+
+def hf_leaf_modules(targets: Sequence[str] | None) -> tuple[str, ...]:
+    """The HF projection names (``q_proj``, ``down_proj``...) adapters of ``targets`` sit on
+    (None: :data:`DEFAULT_TARGETS`): what SGLang's ``--lora-target-modules`` lists."""
+    names: list[str] = []
+    for target in targets if targets is not None else DEFAULT_TARGETS:
+        for module in HF_MODULES[target.removeprefix("shared_experts.")]:
+            leaf = module.rsplit(".", 1)[-1]
+            if leaf not in names:
+                names.append(leaf)
+    return tuple(names)
+
+
 def resolve_targets(moe_layers: Sequence[bool], shared_experts: bool,
                     targets: Sequence[str] | None) -> tuple[str, ...]:
     """``targets``, or for None the :data:`DEFAULT_TARGETS` that select a layer of the model."""

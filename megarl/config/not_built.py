@@ -40,11 +40,10 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
      ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "
       "actor.router_replay.mode=R3 or algorithm.rollout_correction.bypass_mode=false")),
     ("actor.lora.sync", lambda c: c.actor.lora.rank > 0 and c.actor.lora.sync == "adapter"
-     and (c.rollout.backend == "sglang" or c.scheduler.mode != "colocate_sync"),
-     ("the adapter sync runs with embedded engines (rollout.backend=local) under "
-      "scheduler.mode=colocate_sync: SGLang engines would need --enable-lora --max-lora-rank "
-      "--lora-target-modules at launch, and the overlapping schedulers' own clients do not "
-      "name the adapter yet; use those, or set actor.lora.sync=merged")),
+     and c.scheduler.mode != "colocate_sync",
+     ("the adapter sync runs under scheduler.mode=colocate_sync: the overlapping schedulers' "
+      "own rollout clients do not name the adapter yet; use colocate_sync, or set "
+      "actor.lora.sync=merged")),
     ("actor.lora.target_modules", lambda c: c.actor.lora.rank > 0 and any(
         t.startswith("experts.") for t in c.actor.lora.target_modules or ()),
      ("LoRA on the routed experts (grouped expert GEMMs under EP/expert-TP) is not built; "

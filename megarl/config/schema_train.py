@@ -153,8 +153,9 @@ class LoraConfig(Section):
         "adapter = only the adapters, in PEFT's names, through SGLang's "
         "/load_lora_adapter_from_tensors (a new name per version, the previous one unloaded; "
         "every request names it with lora_path); the engines keep model.path as the base, so "
-        "model.mcore_checkpoint is refused. Embedded engines (rollout.backend=local) under "
-        "scheduler.mode=colocate_sync only in this version"))
+        "model.mcore_checkpoint is refused. Engines start with --enable-lora (SGLang also "
+        "with --max-lora-rank and --lora-target-modules); scheduler.mode=colocate_sync only in "
+        "this version"))
 
 
 class ActorConfig(Section):

@@ -62,6 +62,7 @@ from megatron.core.transformer.utils import (
 )
 
 from megarl.config.lora_layers import (
+    HF_MODULES,
     LAYER_PATHS,
     is_excluded,
     resolve_targets,
@@ -78,13 +79,6 @@ ROW_PARALLEL = {"linear_proj", "linear_fc2", "shared_experts.linear_fc2", "exper
 
 TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
 
-# The HF modules (under ``model.layers.{i}.``) of each target's adapters, in adapter-part order.
-HF_MODULES: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "linear_proj": ("self_attn.o_proj",),
-    "linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
-    "linear_fc2": ("mlp.down_proj",),
-}
 # Where each HF family keeps its MoE layers' shared expert.
 HF_SHARED_EXPERT: dict[str, str] = {"qwen2_moe": "mlp.shared_expert",
                                     "deepseek_v3": "mlp.shared_experts"}

@@ -49,8 +49,10 @@ class EngineSpec:
     trust_remote_code: bool = False
     """Let the engine load custom code shipped with the model (``model.trust_remote_code``)."""
     enable_lora: bool = False
-    """Serve LoRA adapters (``actor.lora.sync: adapter``): the embedded engine's
-    ``--enable-lora``."""
+    """Serve LoRA adapters (``actor.lora.sync: adapter``): ``--enable-lora``, for SGLang with
+    ``--max-lora-rank`` and ``--lora-target-modules`` from the two fields below."""
+    lora_rank: int = 0
+    lora_modules: tuple[str, ...] = ()
     quantization: str | None = None
     """``fp8``: the engine holds its projections in block FP8 (``rollout.quantization``;
     docs/fp8.md); SGLang starts from dummy weights, which the trainer's first sync replaces."""
@@ -94,6 +96,8 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
     launch = SGLangLaunchConfig(
         model_path=model_path, host=spec.host, port=port, tp_size=spec.gpus_per_engine,
         quantization=spec.quantization, load_format=load_format,
+        enable_lora=spec.enable_lora, max_lora_rank=spec.lora_rank or None,
+        lora_target_modules=spec.lora_modules if spec.enable_lora else (),
         mem_fraction_static=spec.mem_fraction, enable_memory_saver=spec.colocated,
         enable_return_routed_experts=spec.return_routed_experts,
         enable_deterministic_inference=spec.seed is not None, random_seed=spec.seed,

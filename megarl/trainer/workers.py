@@ -21,6 +21,7 @@ from typing import Any
 
 from megarl.config import RunConfig
 from megarl.config.derived import derive_sizes, weight_sync_backend
+from megarl.config.lora_layers import hf_leaf_modules
 from megarl.config.model_info import ModelInfoError, load_model_info
 from megarl.faults import fail_point
 from megarl.megatron.offload import OffloadSettings
@@ -143,6 +144,7 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
     """The RolloutServerWorker's settings from the config."""
     r = cfg.rollout
     max_seqs = engine_max_num_seqs(cfg)
+    adapters = cfg.actor.lora.rank > 0 and cfg.actor.lora.sync == "adapter"
     return EngineSpec(model_path=cfg.model.path, backend=r.backend, host=r.host,
                       dtype=r.dtype or cfg.model.dtype, max_running_requests=max_seqs,
                       seed=cfg.trainer.seed, log_dir=str(log_dir),
@@ -150,8 +152,10 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       return_routed_experts=bool(r.enable_return_routed_experts),
                       colocated=r.colocate, api_key=r.api_key,
                       trust_remote_code=cfg.model.trust_remote_code,
-                      quantization=r.quantization,
-                      enable_lora=cfg.actor.lora.rank > 0 and cfg.actor.lora.sync == "adapter")
+                      quantization=r.quantization, enable_lora=adapters,
+                      lora_rank=cfg.actor.lora.rank if adapters else 0,
+                      lora_modules=hf_leaf_modules(cfg.actor.lora.target_modules)
+                      if adapters else ())
 
 
 class _DriverHttp:

@@ -119,7 +119,7 @@ NOT_BUILT_TRIGGERS: dict[str, tuple[str, ...]] = {
     "actor.router_replay.mode": ("actor.router_replay.mode=R2",
                                  "algorithm.rollout_correction.bypass_mode=true"),
     "actor.lora.sync": ("actor.lora.rank=8", "actor.lora.sync=adapter",
-                        "rollout.backend=sglang"),
+                        "scheduler.mode=one_step_off"),
     "actor.lora.target_modules": ("actor.lora.rank=8",
                                   "actor.lora.target_modules=[experts.linear_fc1]"),
 }

@@ -23,7 +23,9 @@ def sglang_server_args() -> types.ModuleType:
                "sglang.srt.layers", "sglang.srt.lora", "sglang.srt.parser", "sglang.srt.utils",
                "sglang.utils"]
     stubs = {name: {} for name in stubbed}
-    stubs["sglang.srt.utils.common"] = arg_types
+    # the LoRA target choices of --lora-target-modules, as common.py assigns them
+    stubs["sglang.srt.utils.common"] = {**arg_types, **sglang_ref.load_constants(
+        "srt/utils/common.py", ["SUPPORTED_LORA_TARGET_MODULES", "LORA_TARGET_ALL_MODULES"])}
     return sglang_ref.import_with_stubs("sglang.srt.server_args", stubs)
 
 

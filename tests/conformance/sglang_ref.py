@@ -64,6 +64,21 @@ def load_file(relpath: str, module_name: str) -> types.ModuleType:
     return module
 
 
+def load_constants(relpath: str, names: Sequence[str]) -> dict[str, Any]:
+    """The top-level literal assignments ``names`` of an SGLang file (``ast.literal_eval``)."""
+    path = source_of(relpath)
+    found = {}
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if (isinstance(node, ast.Assign) and len(node.targets) == 1
+                and isinstance(node.targets[0], ast.Name) and node.targets[0].id in names):
+            found[node.targets[0].id] = ast.literal_eval(node.value)
+    missing = set(names) - set(found)
+    if missing:
+        raise LookupError(f"{path}: no top-level literal {sorted(missing)} (sglang "
+                          f"{SGLANG_VERSION}?)")
+    return found
+
+
 def load_definitions(relpath: str, names: Sequence[str],
                      namespace: Mapping[str, Any]) -> dict[str, Any]:
     """The top-level classes/functions ``names`` of an SGLang file, executed from its source in

@@ -23,7 +23,8 @@ CONFIGS = {
         skip_server_warmup=True, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000",
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",
         quantization="fp8", context_length=4096, max_running_requests=128, random_seed=1234,
-        trust_remote_code=True, log_level="warning",
+        trust_remote_code=True, log_level="warning", enable_lora=True, max_lora_rank=16,
+        lora_target_modules=("q_proj", "v_proj", "down_proj"),
         extra_args=("--chunked-prefill-size", "8192")),
     "tokenizer_and_no_mem_fraction": SGLangLaunchConfig(
         model_path="/ckpt/m", skip_tokenizer_init=False, mem_fraction_static=None,
@@ -46,7 +47,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         skip_server_warmup=True, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000",
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",
         quantization="fp8", context_length=4096, max_running_requests=128, random_seed=1234,
-        trust_remote_code=True, log_level="warning", chunked_prefill_size=8192),
+        trust_remote_code=True, log_level="warning", enable_lora=True, max_lora_rank=16,
+        lora_target_modules=["q_proj", "v_proj", "down_proj"], chunked_prefill_size=8192),
     "tokenizer_and_no_mem_fraction": _fields(
         skip_tokenizer_init=False, mem_fraction_static=None, load_format="auto", dtype="auto"),
 }

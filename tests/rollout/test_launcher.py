@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -136,7 +137,6 @@ def test_an_fp8_sglang_engine_serves_an_fp8_config_with_dummy_weights(tmp_path):
     quantization_config and which links every file of the model but its weights; the trainer
     syncs before the first generation. The embedded engine quantizes the checkpoint itself."""
     import json
-    from pathlib import Path
 
     from megarl.config import load_config
     from megarl.data.tiny_model import make_tiny_model
@@ -170,3 +170,30 @@ def test_an_fp8_sglang_engine_serves_an_fp8_config_with_dummy_weights(tmp_path):
                                                             "rollout.backend=sglang"])[0])
     assert not engines_start_without_weights(load_config(demo, overrides)[0])
     assert not engines_start_without_weights(load_config(demo, ["rollout.backend=sglang"])[0])
+
+
+def test_engines_for_the_adapter_sync_start_with_lora_serving(tmp_path):
+    """actor.lora.sync=adapter: the embedded engine starts with --enable-lora; SGLang also with
+    --max-lora-rank (the actor's rank) and --lora-target-modules (the HF projections of the
+    actor's targets, every one SGLang's parser knows: tests/conformance)."""
+    from megarl.config import load_config
+    from megarl.config.lora_layers import hf_leaf_modules
+    from megarl.rollout.server_worker import engine_command
+    from megarl.trainer.workers import engine_spec
+
+    demo = Path(__file__).parents[2] / "configs" / "tiny-moe-cpu.yaml"
+    adapter = ["actor.lora.rank=8", "actor.lora.sync=adapter"]
+    cfg, _ = load_config(demo, [*adapter, "actor.lora.target_modules=[linear_qkv,linear_fc2]"])
+    local = engine_command(engine_spec(cfg, tmp_path), rank=0, port=9, device="cpu")
+    assert "--enable-lora" in local
+    cfg, _ = load_config(demo, [*adapter, "actor.lora.target_modules=[linear_qkv,linear_fc2]",
+                                "rollout.backend=sglang"])
+    argv = engine_command(engine_spec(cfg, tmp_path), rank=0, port=9, device="cuda")
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
+    start = argv.index("--lora-target-modules") + 1
+    assert argv[start:start + 4] == ["q_proj", "k_proj", "v_proj", "down_proj"]
+    assert hf_leaf_modules(None) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                     "up_proj", "down_proj")
+    merged, _ = load_config(demo, ["actor.lora.rank=8", "rollout.backend=sglang"])
+    assert "--enable-lora" not in engine_command(engine_spec(merged, tmp_path), rank=0, port=9,
+                                                 device="cuda")

@@ -59,6 +59,11 @@ class SGLangLaunchConfig:
     nccl_port: int | None = None
     enable_metrics: bool = False
     dtype: str | None = None
+    enable_lora: bool = False
+    """Serve LoRA adapters loaded at run time (``/load_lora_adapter_from_tensors``)."""
+    max_lora_rank: int | None = None
+    lora_target_modules: tuple[str, ...] = ()
+    """HF projection names adapters may sit on (SGLang sizes its LoRA buffers for them)."""
     quantization: str | None = None
     """``fp8`` with a block-FP8 ``quantization_config`` in the model's config.json
     (:func:`fp8_serving_dir`): the server holds fp8 weights + ``weight_scale_inv``."""
@@ -89,6 +94,7 @@ def build_sglang_command(cfg: SGLangLaunchConfig, python: str = sys.executable) 
                 ("--context-length", cfg.context_length),
                 ("--max-running-requests", cfg.max_running_requests),
                 ("--random-seed", cfg.random_seed), ("--nccl-port", cfg.nccl_port),
+                ("--max-lora-rank", cfg.max_lora_rank),
                 ("--log-level", cfg.log_level))
     argv += [a for flag, value in optional if value is not None for a in (flag, str(value))]
     if cfg.base_gpu_id:
@@ -106,8 +112,11 @@ def build_sglang_command(cfg: SGLangLaunchConfig, python: str = sys.executable) 
                  cfg.enable_deterministic_inference or cfg.random_seed is not None),
                 ("--skip-server-warmup", cfg.skip_server_warmup),
                 ("--enable-metrics", cfg.enable_metrics),
-                ("--trust-remote-code", cfg.trust_remote_code))
+                ("--trust-remote-code", cfg.trust_remote_code),
+                ("--enable-lora", cfg.enable_lora))
     argv += [flag for flag, on in switches if on]
+    if cfg.lora_target_modules:
+        argv += ["--lora-target-modules", *cfg.lora_target_modules]
     return argv + list(cfg.extra_args)
 
 
