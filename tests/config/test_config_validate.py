@@ -451,3 +451,18 @@ def test_fp8_engines_that_fit_sglangs_blocks_pass(checker):
     problem = checker.find("check_engine_fp8_blocks", "rollout.quantization=fp8",
                            "rollout.gpus_per_engine=4")
     assert "moe_intermediate_size 192" in problem.line()
+
+
+def test_the_adapter_sync_refuses_a_base_the_engines_do_not_have(checker):
+    """actor.lora.sync=adapter sends only the adapters, so the engines' base is model.path: an
+    actor whose first weights come from model.mcore_checkpoint would not match it."""
+    lora = ("actor.lora.rank=8", "actor.lora.sync=adapter")
+    problem = checker.find("check_lora", *lora, "model.mcore_checkpoint=/ckpt/run",
+                           field="actor.lora.sync", allow_missing_files=True)
+    assert "model.mcore_checkpoint" in problem.fields and "actor.lora.sync=merged" in problem.line()
+    assert not [p for p in checker.problems(*lora, allow_missing_files=True)
+                if p.rule == "check_lora"]
+    assert not [p for p in checker.problems("actor.lora.rank=8",
+                                            "model.mcore_checkpoint=/ckpt/run",
+                                            allow_missing_files=True)
+                if p.rule == "check_lora"]
