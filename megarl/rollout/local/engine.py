@@ -233,7 +233,7 @@ class LocalEngine:
                 "paused": self.paused, "released": sorted(self.released),
                 "weight_version": self.weight_version, "generation_steps": self.steps,
                 "oom_recoveries": self.oom_recoveries,
-                "fp8_gemm": gemm_backend() if self.runner.quantization else None}
+                "fp8_gemm": gemm_backend(self.runner.device) if self.runner.quantization else None}
 
     @property
     def busy(self) -> bool:

@@ -119,9 +119,9 @@ def _probe(device: torch.device) -> None:
                        f"reference (torch._scaled_mm differs from it by {error:.3g} relative)")
 
 
-def gemm_backend() -> str:
-    """Which FP8 GEMM this process runs on CUDA, and why (``reference`` on CPU)."""
-    return _Backend.reason
+def gemm_backend(device: torch.device | str = "cuda") -> str:
+    """Which FP8 GEMM this process runs on ``device``, and why (the reference on CPU)."""
+    return _Backend.reason if torch.device(device).type == "cuda" else "reference (CPU)"
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -136,8 +136,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
         if _Backend.scaled_mm:
             out = _scaled_mm(x.reshape(-1, k), weight, scale_inv).view(*x.shape[:-1], n)
             return out if bias is None else out + bias
-    elif not x.is_cuda:
-        _Backend.reason = "reference (CPU)"
     return fp8_matmul_reference(x, weight, scale_inv, bias)
 
 
