@@ -19,7 +19,9 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   (dp x cp, expert-dp for experts) with the distributed optimizer, and 1 without it.
 * LoRA (``actor.lora.rank`` r > 0): the adapters add r x (in + out) parameters per HF projection
   they cover (B's rows split over tp for column-parallel layers, A's columns for row-parallel
-  ones), held in model.dtype like the weights; grads and optimizer state are theirs alone.
+  ones; per routed expert of the rank, one A for gate and up, split over etp), held in
+  model.dtype like the weights; grads and optimizer state are theirs alone (a routed expert's
+  optimizer state sharded over expert-dp).
 * Activations kept for backward, per token and layer, in units of bytes(model.dtype) (flash
   attention keeps no s^2 scores; RL runs without dropout):
   attention 2h/s + (q + k + v + attention-output widths)/t (MLA: + the replicated q/kv latents);
@@ -219,17 +221,22 @@ def optimizer_shards(layout: RoleLayout, distributed_optimizer: bool) -> tuple[f
 
 
 def train_state(dense: int, expert: int, layout: RoleLayout, dtype: str,
-                distributed_optimizer: bool, adapters: int | None = None) -> TrainState:
+                distributed_optimizer: bool, adapters: tuple[int, int] | None = None
+                ) -> TrainState:
     """Weights, fp32 grads and Adam state of ``dense`` + ``expert`` parameters on one GPU; with
-    LoRA ``adapters`` (counted as non-expert parameters) the only ones with grads and state."""
+    LoRA ``adapters`` (non-expert, routed-expert adapter parameters) the only ones with grads
+    and state (a routed expert's adapters sharded over expert-DP, as the experts)."""
     per_param = ADAM_MOMENT_BYTES + (0 if dtype == "float32" else MASTER_BYTES)
     dense_shards, expert_shards = optimizer_shards(layout, distributed_optimizer)
     if adapters is not None:
+        dense_adapters, expert_adapters = adapters
+        total = dense_adapters + expert_adapters
         return TrainState(
-            dense_params=dense + adapters, expert_params=expert,
-            weights=(dense + expert + adapters) * DTYPE_BYTES[dtype],
-            grads=adapters * GRAD_BYTES,
-            optimizer=math.ceil(per_param * adapters / dense_shards))
+            dense_params=dense + dense_adapters, expert_params=expert + expert_adapters,
+            weights=(dense + expert + total) * DTYPE_BYTES[dtype],
+            grads=total * GRAD_BYTES,
+            optimizer=math.ceil(per_param * (dense_adapters / dense_shards
+                                             + expert_adapters / expert_shards)))
     params = dense + expert
     return TrainState(
         dense_params=dense, expert_params=expert,
@@ -237,23 +244,28 @@ def train_state(dense: int, expert: int, layout: RoleLayout, dtype: str,
         optimizer=math.ceil(per_param * (dense / dense_shards + expert / expert_shards)))
 
 
-def stage_adapter_params(cfg: RunConfig, model: ModelInfo, stage: int) -> int | None:
-    """The actor's LoRA adapter parameters on one GPU of pipeline ``stage`` (None without
-    LoRA)."""
+def stage_adapter_params(cfg: RunConfig, model: ModelInfo, stage: int
+                         ) -> tuple[int, int] | None:
+    """The actor's LoRA adapter parameters (non-expert, routed-expert) on one GPU of pipeline
+    ``stage`` (None without LoRA)."""
     lora, p = cfg.actor.lora, cfg.actor.parallel
     if lora.rank == 0 or model.is_mla:
         return None
     moe_layers = [model.is_moe and i not in model.dense_layers for i in range(model.num_layers)]
     shared = model.shared_expert_ffn_hidden_size > 0
-    targets = [t for t in resolve_targets(moe_layers, shared, lora.target_modules)
-               if not t.startswith("experts.")]
+    targets = resolve_targets(moe_layers, shared, lora.target_modules)
     widths = {"hidden": model.hidden_size, "q": model.num_attention_heads * model.head_dim,
               "kv": model.num_kv_heads * model.head_dim, "ffn": model.ffn_hidden_size,
-              "shared_ffn": model.shared_expert_ffn_hidden_size}
+              "shared_ffn": model.shared_expert_ffn_hidden_size,
+              "expert_ffn": model.moe_ffn_hidden_size,
+              "local_experts": -(-model.num_experts // p.ep) if model.is_moe else 0}
     layers = stage_layers(model.num_layers, p.pp, stage)
-    return sum(adapter_params(name, lora.rank, widths, p.tp)
-               for name in lora_layer_names(moe_layers, shared, targets)
-               if int(name.split(".")[1]) in layers and not is_excluded(name, lora.exclude_modules))
+    counts = [0, 0]
+    for name in lora_layer_names(moe_layers, shared, targets):
+        if int(name.split(".")[1]) in layers and not is_excluded(name, lora.exclude_modules):
+            tp = p.expert_tp if ".mlp.experts." in name else p.tp
+            counts[".mlp.experts." in name] += adapter_params(name, lora.rank, widths, tp)
+    return counts[0], counts[1]
 
 
 def role_state(cfg: RunConfig, model: ModelInfo, layout: RoleLayout, parallel: ParallelConfig,

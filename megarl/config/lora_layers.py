@@ -98,8 +98,15 @@ def selection_problems(moe_layers: Sequence[bool], shared_experts: bool,
 def adapter_params(name: str, rank: int, sizes: dict[str, int], tp: int) -> int:
     """Adapter parameters of layer ``name`` on one of ``tp`` ranks: per HF projection
     ``rank x (in + out)``, the output side split over TP for a column-parallel layer (B), the
-    input side for a row-parallel one (A). ``sizes``: hidden, q, kv, ffn, shared_ffn widths."""
+    input side for a row-parallel one (A). ``sizes``: hidden, q, kv, ffn, shared_ffn widths;
+    for the routed experts (``tp``: expert-TP) expert_ffn and local_experts, each local expert
+    ``rank x (hidden + 2 expert_ffn / tp)`` on fc1 (one A for gate and up, as PEFT's) and
+    ``rank x (expert_ffn / tp + hidden)`` on fc2."""
     h, q, kv = sizes["hidden"], sizes["q"], sizes["kv"]
+    if ".mlp.experts." in name:
+        ffn = -(-sizes["expert_ffn"] // tp)
+        per_expert = rank * (h + 2 * ffn) if name.endswith("linear_fc1") else rank * (ffn + h)
+        return sizes["local_experts"] * per_expert
     ffn = sizes["shared_ffn"] if ".shared_experts." in name else sizes["ffn"]
     target = LAYER_PATHS[name.split(".", 2)[2]]
     column = {"linear_qkv": (h, (q, kv, kv)), "linear_fc1": (h, (ffn, ffn)),

@@ -44,8 +44,10 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
      ("the adapter sync runs under scheduler.mode=colocate_sync: the overlapping schedulers' "
       "own rollout clients do not name the adapter yet; use colocate_sync, or set "
       "actor.lora.sync=merged")),
-    ("actor.lora.target_modules", lambda c: c.actor.lora.rank > 0 and any(
+    ("actor.lora.target_modules", lambda c: c.actor.lora.rank > 0
+     and c.actor.lora.sync == "adapter" and any(
         t.startswith("experts.") for t in c.actor.lora.target_modules or ()),
-     ("LoRA on the routed experts (grouped expert GEMMs under EP/expert-TP) is not built; "
-      "remove experts.linear_fc1/experts.linear_fc2 from actor.lora.target_modules")),
+     ("the adapter sync of routed-expert adapters is not built (neither the embedded engine "
+      "nor megarl's SGLang client loads per-expert adapters yet); set actor.lora.sync=merged, "
+      "or remove experts.linear_fc1/experts.linear_fc2 from actor.lora.target_modules")),
 )

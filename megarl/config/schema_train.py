@@ -142,7 +142,9 @@ class LoraConfig(Section):
         "v, as PEFT's q_proj/k_proj/v_proj), linear_proj (o_proj), linear_fc1 (gate_proj and "
         "up_proj) and linear_fc2 (down_proj) of the dense MLPs, "
         "shared_experts.linear_fc1/linear_fc2 of the MoE layers' shared expert, "
-        "experts.linear_fc1/linear_fc2 of the routed experts (not built yet); each must select "
+        "experts.linear_fc1/linear_fc2 of the routed experts (one adapter per expert, PEFT's "
+        "layout of HF's fused expert tensors; needs dropout 0 and parallel.etp 1 or = tp); "
+        "each must select "
         "a layer of the model. null = every one of them the model has but the routed experts'"))
     exclude_modules: list[str] = Field(default_factory=list, description=(
         "targeted layers left without adapters: fnmatch patterns over layers.{i}.{path} with "

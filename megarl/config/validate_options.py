@@ -259,6 +259,18 @@ def check_lora(ctx: Context) -> Iterator[Problem]:
         field, _, message = problem.partition(": ")
         yield error(f"actor.lora.{field}", message, "choose targets and patterns that name "
                     "this model's layers (layers.{i}.{path}; see `megarl config show`)")
+    experts = [t for t in targets if t.startswith("experts.")]
+    if experts and lora.dropout:
+        yield error(("actor.lora.dropout", "actor.lora.target_modules"), "the routed experts' "
+                    "adapters have no dropout (nor have PEFT's on HF's fused experts)",
+                    "set actor.lora.dropout=0, or drop experts.* from the targets")
+    p = cfg.actor.parallel
+    etp = p.expert_tp
+    if experts and etp not in (1, p.tp):
+        yield error(("actor.lora.target_modules", "actor.parallel.etp"), f"routed-expert "
+                    f"adapters run with expert-TP 1 or equal to TP (got etp={etp}, tp={p.tp}): "
+                    "an adapter repeated on the expert-TP ranks is counted once in the grad norm "
+                    "through the dense TP group", "set actor.parallel.etp=1 or to actor.parallel.tp")
 
 
 def check_training_safety(ctx: Context) -> Iterator[Problem]:

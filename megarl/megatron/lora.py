@@ -68,6 +68,13 @@ from megarl.config.lora_layers import (
     resolve_targets,
     selection_problems,
 )
+from megarl.megatron.lora_experts import (
+    HF_EXPERT_PARAMS,
+    ExpertLoraAdapter,
+    add_expert_adapter_output,
+    peft_expert_key,
+    sharded_state_dict_with_expert_adapter,
+)
 from megarl.megatron.model import ActorModel
 from megarl.megatron.native_modules import NormColumnParallelLinear
 from megarl.megatron.native_spec import moe_layer_pattern
@@ -173,6 +180,10 @@ class LoraAdapter(torch.nn.Module):
         """``scale * B @ A`` of this rank's shard of the base weight (fp32)."""
         return lora_delta(self.lora_A, list(self.lora_B), self.scale, self.qkv_groups)
 
+    def delta_for(self, leaf: str) -> torch.Tensor | None:
+        """:meth:`delta_weight` for the base's ``weight``, None for its other tensors."""
+        return self.delta_weight() if leaf == "weight" else None
+
     @torch.no_grad()
     def whole_parts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``(A, B)`` of every part, gathered over TP (collective over the TP group)."""
@@ -274,9 +285,11 @@ def apply_lora(model: ActorModel, settings: LoraSettings) -> list[str]:
     shared = bool(config.moe_shared_expert_intermediate_size)
     targets = resolve_targets(moe_layers, shared, settings.target_modules)
     experts = sorted(t for t in targets if t.startswith("experts."))
-    if experts:
-        raise ValueError(f"LoRA on the routed experts ({', '.join(experts)}) is not built; "
-                         "drop them from actor.lora.target_modules")
+    etp = mpu.get_expert_tensor_parallel_world_size()
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if experts and etp not in (1, tp):
+        raise ValueError(f"LoRA on the routed experts needs parallel.etp = 1 or = parallel.tp "
+                         f"(got etp={etp}, tp={tp})")
     problems = selection_problems(moe_layers, shared, targets, settings.exclude_modules)
     if problems:
         raise ValueError(f"actor.lora.{problems[0]}")
@@ -291,18 +304,26 @@ def apply_lora(model: ActorModel, settings: LoraSettings) -> list[str]:
             if target not in targets or is_excluded(name, settings.exclude_modules):
                 continue
             kind = "row" if target in ROW_PARALLEL else "column"
-            module.lora = LoraAdapter(module, name, kind, _parts(target, config), settings)
-            module.register_forward_hook(_add_adapter_output, with_kwargs=True)
-            module.sharded_state_dict = functools.partial(_sharded_state_dict_with_adapter,
-                                                          module, module.sharded_state_dict)
+            if target in HF_EXPERT_PARAMS:
+                parts = ("gate", "up") if kind == "column" else ("",)
+                _parts(target, config)  # a gated MLP
+                module.lora = ExpertLoraAdapter(module, name, kind, parts, settings)
+                module.register_forward_hook(add_expert_adapter_output, with_kwargs=True)
+                module.sharded_state_dict = functools.partial(
+                    sharded_state_dict_with_expert_adapter, module, module.sharded_state_dict)
+            else:
+                module.lora = LoraAdapter(module, name, kind, _parts(target, config), settings)
+                module.register_forward_hook(_add_adapter_output, with_kwargs=True)
+                module.sharded_state_dict = functools.partial(_sharded_state_dict_with_adapter,
+                                                              module, module.sharded_state_dict)
             names.append(name)
     return names
 
 
-def adapters(model: ActorModel) -> dict[str, LoraAdapter]:
+def adapters(model: ActorModel) -> dict[str, LoraAdapter | ExpertLoraAdapter]:
     """This rank's adapters by name (``layers.{i}.{path}``)."""
     return {m.name: m for chunk in model.chunks for m in chunk.modules()
-            if isinstance(m, LoraAdapter)}
+            if isinstance(m, (LoraAdapter, ExpertLoraAdapter))}
 
 
 def _merged_named_parameters(module: torch.nn.Module, *args: Any, **kwargs: Any):
@@ -313,10 +334,13 @@ def _merged_named_parameters(module: torch.nn.Module, *args: Any, **kwargs: Any)
             continue
         owner_path, _, leaf = name.rpartition(".")
         adapter = getattr(module.get_submodule(owner_path), "lora", None)
-        if isinstance(adapter, LoraAdapter) and leaf == "weight":
-            merged = (param.detach().float() + adapter.delta_weight()).to(param.dtype)
-            for attr in TP_ATTRIBUTES:  # the bridge gathers and merges TP shards by these
-                setattr(merged, attr, getattr(param, attr))
+        delta = (adapter.delta_for(leaf)
+                 if isinstance(adapter, (LoraAdapter, ExpertLoraAdapter)) else None)
+        if delta is not None:
+            merged = (param.detach().float() + delta).to(param.dtype)
+            for attr in (*TP_ATTRIBUTES, "allreduce"):  # the bridge gathers shards by these
+                if hasattr(param, attr):
+                    setattr(merged, attr, getattr(param, attr))
             yield name, merged
         else:
             yield name, param
@@ -356,11 +380,14 @@ def hf_modules(target: str, model_type: str) -> tuple[str, ...]:
     return HF_MODULES[target]
 
 
-def _peft_keys(model: ActorModel, adapter: LoraAdapter) -> list[str]:
+def _peft_keys(model: ActorModel, adapter: LoraAdapter | ExpertLoraAdapter) -> list[str]:
     _, index, path = adapter.name.split(".", 2)
+    prefix = f"base_model.model.model.layers.{index}"
+    if isinstance(adapter, ExpertLoraAdapter):
+        siblings = [n for n in adapters(model) if n.startswith(f"layers.{index}.mlp.experts.")]
+        return [f"{prefix}.{peft_expert_key(siblings, adapter.name)}"]
     target = LAYER_PATHS[path]
-    return [f"base_model.model.model.layers.{index}.{m}"
-            for m in hf_modules(target, model.hf_config.model_type)]
+    return [f"{prefix}.{m}" for m in hf_modules(target, model.hf_config.model_type)]
 
 
 def peft_state_dict(model: ActorModel) -> dict[str, torch.Tensor]:
@@ -390,17 +417,26 @@ def peft_adapter(model: ActorModel, settings: LoraSettings, base_model: str | No
     over the model-parallel groups, global rank 0 gets them (the others None). Every adapted HF
     module is named in ``target_modules`` (so exclusions carry over)."""
     stages = [None] * mpu.get_pipeline_model_parallel_world_size()
-    dist.all_gather_object(stages, peft_state_dict(model),
+    dist.all_gather_object(stages, (peft_state_dict(model), sorted(adapters(model))),
                            group=mpu.get_pipeline_model_parallel_group())
     if dist.get_rank() != 0:
         return None
-    tensors = {k: v.contiguous() for stage in stages for k, v in stage.items()}
+    tensors = {k: v.contiguous() for stage, _ in stages for k, v in stage.items()}
+    names = [n for _, stage_names in stages for n in stage_names]
+    experts = [n for n in names if ".mlp.experts." in n]
     prefix, suffix = "base_model.model.", ".lora_A.weight"
-    modules = sorted(k[len(prefix):-len(suffix)] for k in tensors if k.endswith(suffix))
+    modules = sorted(k[len(prefix):-len(suffix)] for k in tensors
+                     if k.endswith(suffix) and ".mlp.experts" not in k)
+    # PEFT's expert adapters: per 3-D parameter, nested in this order (gate_up innermost)
+    parameters = [f"model.layers.{n.split('.')[1]}.mlp.experts.{HF_EXPERT_PARAMS[t]}"
+                  for n in sorted(experts, key=lambda n: int(n.split(".")[1]))
+                  for t in HF_EXPERT_PARAMS if n.endswith("mlp." + t)]
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": settings.rank,
               "lora_alpha": settings.alpha, "lora_dropout": settings.dropout, "bias": "none",
               "target_modules": modules, "base_model_name_or_path": base_model,
               "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True}
+    if parameters:
+        config["target_parameters"] = parameters
     return config, tensors
 
 

@@ -296,12 +296,15 @@ def _grouped_mm_supported(x: torch.Tensor, weight_t: torch.Tensor) -> bool:
 
 
 def grouped_linear(
-    x: torch.Tensor, weights: list[torch.Tensor], m_splits: Sequence[int] | torch.Tensor
+    x: torch.Tensor, weights: Sequence[torch.Tensor] | torch.Tensor,
+    m_splits: Sequence[int] | torch.Tensor
 ) -> torch.Tensor:
-    """``cat([x_k @ W_k^T])`` for row blocks ``x_k`` of sizes ``m_splits``; one grouped GEMM when
-    ``torch._grouped_mm`` supports the operands, a loop of ``F.linear`` otherwise. ``m_splits``
-    may be a tensor on ``x``'s device: the grouped GEMM then runs without host synchronisation."""
-    weight_t = torch.stack(weights).transpose(1, 2)  # [E, in, out]
+    """``cat([x_k @ W_k^T])`` for row blocks ``x_k`` of sizes ``m_splits`` (``weights``: a list,
+    or stacked ``[E, out, in]``); one grouped GEMM when ``torch._grouped_mm`` supports the
+    operands, a loop of ``F.linear`` otherwise. ``m_splits`` may be a tensor on ``x``'s device:
+    the grouped GEMM then runs without host synchronisation."""
+    stacked = weights if isinstance(weights, torch.Tensor) else torch.stack(list(weights))
+    weight_t = stacked.transpose(1, 2)  # [E, in, out]
     if _grouped_mm_supported(x, weight_t):
         sizes = torch.as_tensor(m_splits, device=x.device)
         offs = sizes.cumsum(0).to(torch.int32)

@@ -120,7 +120,7 @@ NOT_BUILT_TRIGGERS: dict[str, tuple[str, ...]] = {
                                  "algorithm.rollout_correction.bypass_mode=true"),
     "actor.lora.sync": ("actor.lora.rank=8", "actor.lora.sync=adapter",
                         "scheduler.mode=one_step_off"),
-    "actor.lora.target_modules": ("actor.lora.rank=8",
+    "actor.lora.target_modules": ("actor.lora.rank=8", "actor.lora.sync=adapter",
                                   "actor.lora.target_modules=[experts.linear_fc1]"),
 }
 

@@ -324,3 +324,27 @@ def test_lora_state_holds_grads_and_optimizer_of_the_adapters_only(tiny_moe_dir)
                                 "actor.lora.exclude_modules=[layers.0.self_attention.linear_proj]")
     o_proj = 8 * (hf.config.num_attention_heads * hf.config.head_dim + hf.config.hidden_size)
     assert excluded.update.state.grads == (adapters - o_proj) * 4
+
+
+def test_routed_expert_adapters_are_counted_as_peft_trains_them(tiny_moe_dir):
+    """Adapters on the routed experts: as many as PEFT trains on HF's fused expert parameters,
+    the experts' split over EP=2 (two GPUs hold half each), their Adam state over expert-DP."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe_dir)
+    peft = get_peft_model(hf, LoraConfig(
+        r=8, target_modules=["o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    trained = {n: p.numel() for n, p in peft.named_parameters() if p.requires_grad}
+    experts = sum(v for n, v in trained.items() if ".mlp.experts." in n)
+    attention = sum(trained.values()) - experts
+    assert experts > 0 and attention > 0
+    targets = "actor.lora.target_modules=[linear_proj,experts.linear_fc1,experts.linear_fc2]"
+    one, _ = tiny_estimate(tiny_moe_dir, "actor.use_distributed_optimizer=false",
+                           "actor.lora.rank=8", targets)
+    assert one.update.state.grads == (attention + experts) * 4
+    assert one.update.state.optimizer == (attention + experts) * 8
+    split, _ = tiny_estimate(tiny_moe_dir, "actor.use_distributed_optimizer=false",
+                             "actor.lora.rank=8", targets, "actor.parallel.ep=2")
+    assert split.update.state.grads == (attention + experts // 2) * 4

@@ -36,13 +36,15 @@ ATOL = 2e-5  # fp32: the same sums in other orders (TP shards, packed micro-batc
 
 
 def peft_model(model_dir: str, state: dict[str, torch.Tensor] | None = None,
-               hf_targets: list[str] = HF_TARGETS):
-    """The HF model (fp32) with PEFT LoRA adapters on every linear layer of its blocks."""
+               hf_targets: list[str] = HF_TARGETS, hf_params: list[str] | None = None):
+    """The HF model (fp32) with PEFT LoRA adapters on every linear layer of its blocks (and on
+    the 3-D expert parameters ``hf_params``, PEFT's ``target_parameters``)."""
     from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=hf_targets)
+    config = LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=hf_targets,
+                        target_parameters=hf_params)
     model = get_peft_model(hf, config)
     if state is not None:
         result = set_peft_model_state_dict(model, state)
@@ -50,24 +52,26 @@ def peft_model(model_dir: str, state: dict[str, torch.Tensor] | None = None,
     return model
 
 
-def initial_adapters(model_dir: str, hf_targets: list[str] = HF_TARGETS
-                     ) -> dict[str, torch.Tensor]:
+def initial_adapters(model_dir: str, hf_targets: list[str] = HF_TARGETS,
+                     hf_params: list[str] | None = None) -> dict[str, torch.Tensor]:
     """PEFT-named adapters, A and B random (seeded)."""
     from peft import get_peft_model_state_dict
 
     g = torch.Generator().manual_seed(7)
-    shapes = get_peft_model_state_dict(peft_model(model_dir, hf_targets=hf_targets))
+    shapes = get_peft_model_state_dict(peft_model(model_dir, hf_targets=hf_targets,
+                                                  hf_params=hf_params))
     return {name: 0.1 * torch.randn(t.shape, generator=g) for name, t in shapes.items()}
 
 
 def peft_reference_step(model_dir: str, batch: list[dict], state: dict, optimizer: str,
-                        hf_targets: list[str] = HF_TARGETS) -> dict:
+                        hf_targets: list[str] = HF_TARGETS,
+                        hf_params: list[str] | None = None) -> dict:
     """One step of the PEFT model: adapters after it, log-probs of the stepped model, loss
     terms, gradient norm and the merged HF weights (``merge_and_unload``)."""
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    model = peft_model(model_dir, state, hf_targets)
+    model = peft_model(model_dir, state, hf_targets, hf_params)
     pg, ent, kl = reference_loss_terms(model, batch)
     (pg - ENTROPY_COEFF * ent + KL_COEF * kl).backward()
     named = {n.replace(".default", ""): p for n, p in model.named_parameters() if p.requires_grad}
@@ -85,6 +89,7 @@ def peft_reference_step(model_dir: str, batch: list[dict], state: dict, optimize
     # under checkpoint names (HF fuses the experts in memory and splits them on save)
     out = f"{model_dir}.peft_merged_{optimizer}"
     model.merge_and_unload().save_pretrained(out)
+    # (PEFT's expert adapters merge into HF's fused expert tensors, split again on save)
     merged = load_file(f"{out}/model.safetensors")
     return {"adapters": adapters, "log_probs": log_probs, "pg_loss": pg.item(),
             "entropy": ent.item(), "kl_loss": kl.item(), "grad_norm": grad_norm,

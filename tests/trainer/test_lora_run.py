@@ -1,5 +1,6 @@
 """``megarl train`` with ``actor.lora``: the demo (two Megatron ranks with EP=2, an embedded
-engine, Ray) trains adapters and syncs the merged weights; and (``slow``) a run killed mid-update
+engine, Ray) trains adapters on the attention and the routed experts and syncs the merged
+weights; and (``slow``) a run killed mid-update
 and resumed from its checkpoint logs the same per-step metrics as an uninterrupted one.
 ``megarl demo --lora`` (a tiny dense Qwen3, adapters on every linear layer): two steps train
 the adapters alone and the engine serves their merge; and (``slow``) the whole demo learns for
@@ -27,7 +28,10 @@ from megarl.config import load_config
 from megarl.demo import DEMOS, prepare_demo_assets
 from megarl.trainer import Trainer
 
-LORA = ("actor.lora.rank=8", "actor.lora.alpha=16")
+# every linear layer of the demo's MoE: attention, and one adapter per routed expert (EP=2)
+LORA = ("actor.lora.rank=8", "actor.lora.alpha=16",
+        ("actor.lora.target_modules=[linear_qkv,linear_proj,experts.linear_fc1,"
+         "experts.linear_fc2]"))
 
 
 def test_lora_run_syncs_merged_weights(demo_assets, expected, tmp_path):
