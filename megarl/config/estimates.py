@@ -17,11 +17,9 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   optimizer = params x (8 for the Adam moments + 4 for the fp32 master copy, none when the model
   is float32) / shards, where shards = the data-parallel ranks that share the parameter
   (dp x cp, expert-dp for experts) with the distributed optimizer, and 1 without it.
-* LoRA (``actor.lora.rank`` r > 0): the adapters add r x (in + out) parameters per HF projection
-  they cover (B's rows split over tp for column-parallel layers, A's columns for row-parallel
-  ones; per routed expert of the rank, one A for gate and up, split over etp), held in
-  model.dtype like the weights; grads and optimizer state are theirs alone (a routed expert's
-  optimizer state sharded over expert-dp).
+* LoRA (``actor.lora.rank`` r > 0): r x (in + out) per adapted HF projection (B's rows split
+  over tp in column-parallel layers, A's columns in row-parallel ones; per local routed expert
+  one A for gate and up, over etp), in model.dtype; grads and optimizer state are theirs alone.
 * Activations kept for backward, per token and layer, in units of bytes(model.dtype) (flash
   attention keeps no s^2 scores; RL runs without dropout):
   attention 2h/s + (q + k + v + attention-output widths)/t (MLA: + the replicated q/kv latents);
@@ -62,7 +60,7 @@ from dataclasses import dataclass
 
 from megarl.config.derived import DerivedSizes, RoleLayout, is_whole
 from megarl.config.lora_layers import (
-    adapter_params,
+    adapter_counts,
     is_excluded,
     lora_layer_names,
     resolve_targets,
@@ -229,14 +227,11 @@ def train_state(dense: int, expert: int, layout: RoleLayout, dtype: str,
     per_param = ADAM_MOMENT_BYTES + (0 if dtype == "float32" else MASTER_BYTES)
     dense_shards, expert_shards = optimizer_shards(layout, distributed_optimizer)
     if adapters is not None:
-        dense_adapters, expert_adapters = adapters
-        total = dense_adapters + expert_adapters
-        return TrainState(
-            dense_params=dense + dense_adapters, expert_params=expert + expert_adapters,
-            weights=(dense + expert + total) * DTYPE_BYTES[dtype],
-            grads=total * GRAD_BYTES,
-            optimizer=math.ceil(per_param * (dense_adapters / dense_shards
-                                             + expert_adapters / expert_shards)))
+        (dense_lora, expert_lora), lora = adapters, sum(adapters)
+        return TrainState(dense_params=dense + dense_lora, expert_params=expert + expert_lora,
+                          weights=(dense + expert + lora) * DTYPE_BYTES[dtype],
+                          grads=lora * GRAD_BYTES, optimizer=math.ceil(per_param * (
+                              dense_lora / dense_shards + expert_lora / expert_shards)))
     params = dense + expert
     return TrainState(
         dense_params=dense, expert_params=expert,
@@ -246,26 +241,21 @@ def train_state(dense: int, expert: int, layout: RoleLayout, dtype: str,
 
 def stage_adapter_params(cfg: RunConfig, model: ModelInfo, stage: int
                          ) -> tuple[int, int] | None:
-    """The actor's LoRA adapter parameters (non-expert, routed-expert) on one GPU of pipeline
-    ``stage`` (None without LoRA)."""
+    """The actor's (non-expert, routed-expert) adapter parameters on one GPU of ``stage``."""
     lora, p = cfg.actor.lora, cfg.actor.parallel
     if lora.rank == 0 or model.is_mla:
         return None
     moe_layers = [model.is_moe and i not in model.dense_layers for i in range(model.num_layers)]
     shared = model.shared_expert_ffn_hidden_size > 0
-    targets = resolve_targets(moe_layers, shared, lora.target_modules)
     widths = {"hidden": model.hidden_size, "q": model.num_attention_heads * model.head_dim,
               "kv": model.num_kv_heads * model.head_dim, "ffn": model.ffn_hidden_size,
               "shared_ffn": model.shared_expert_ffn_hidden_size,
               "expert_ffn": model.moe_ffn_hidden_size,
               "local_experts": -(-model.num_experts // p.ep) if model.is_moe else 0}
-    layers = stage_layers(model.num_layers, p.pp, stage)
-    counts = [0, 0]
-    for name in lora_layer_names(moe_layers, shared, targets):
-        if int(name.split(".")[1]) in layers and not is_excluded(name, lora.exclude_modules):
-            tp = p.expert_tp if ".mlp.experts." in name else p.tp
-            counts[".mlp.experts." in name] += adapter_params(name, lora.rank, widths, tp)
-    return counts[0], counts[1]
+    names = [n for n in lora_layer_names(moe_layers, shared, resolve_targets(
+        moe_layers, shared, lora.target_modules)) if not is_excluded(n, lora.exclude_modules)
+        and int(n.split(".")[1]) in stage_layers(model.num_layers, p.pp, stage)]
+    return adapter_counts(names, lora.rank, widths, p.tp, p.expert_tp)
 
 
 def role_state(cfg: RunConfig, model: ModelInfo, layout: RoleLayout, parallel: ParallelConfig,

@@ -117,3 +117,13 @@ def adapter_params(name: str, rank: int, sizes: dict[str, int], tp: int) -> int:
         return sum(rank * (width + -(-out // tp)) for out in outs)
     width, out = row[target]
     return rank * (-(-width // tp) + out)
+
+
+def adapter_counts(names: Sequence[str], rank: int, sizes: dict[str, int], tp: int,
+                   etp: int) -> tuple[int, int]:
+    """(non-expert, routed-expert) adapter parameters of layers ``names`` on one rank."""
+    counts = [0, 0]
+    for name in names:
+        expert = ".mlp.experts." in name
+        counts[expert] += adapter_params(name, rank, sizes, etp if expert else tp)
+    return counts[0], counts[1]
