@@ -2,6 +2,7 @@
 
     megarl bench weight-sync [--backend nccl nixl ipc disk] [--engines 2] [--model PATH]
                              [--tp 1] [--pp 1] [--ep 1] [--bucket-mb 64] [--repeats 3]
+                             [--lora-rank 0]
 
 Starts ``--engines`` embedded engine servers on the model and ``tp * pp * ep`` train ranks (gloo
 on CPU, NCCL on GPUs) that build it with Megatron under that layout; rank 0 streams the export
@@ -12,6 +13,13 @@ the floor measured in the same run: the copy bandwidth of the memory the buckets
 512 MB host ``copy_`` on CPU, a device-to-device copy on GPU). An export-only pass (the gathers,
 no transfer) is timed too, to show how much of a sync is the export. Without ``--model`` a random
 Qwen3 dense model of about ``--size-mb`` is generated (a Qwen3-MoE when ``--ep`` > 1).
+
+With ``--lora-rank r`` the model gets LoRA adapters (``actor.lora``'s default targets, B drawn
+away from zero) and the engines ``--enable-lora``: each backend row is then the *merged* sync
+(``actor.lora.sync: merged``, ``W + scale * B @ A`` under the base names, checked as above),
+and an ``adapter`` row times the *adapter* sync (``actor.lora.sync: adapter``): the adapters
+gathered in PEFT's format, one flattened bucket posted to every engine's
+``/load_lora_adapter_from_tensors``, the previous version unloaded.
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ class RankJob:
     bucket_mb: float
     repeats: int
     disk_dir: str
+    lora_rank: int = 0
 
 
 def generated_model(root: Path, size_mb: float, moe: bool) -> Path:
@@ -141,17 +150,78 @@ def run_rank(job: RankJob) -> dict[str, Any] | None:
         else torch.device("cpu")
     dtype = parse_dtype(job.dtype)
     model = build_actor_model(job.model_dir, ParallelSizes(tp=job.tp, pp=job.pp, ep=job.ep),
-                              dtype)
+                              dtype, spec="native" if job.lora_rank else "auto")
+    settings = _with_adapters(model, job.lora_rank) if job.lora_rank else None
     exporter = MegatronExporter(model)
     exporter.specs()
     start = time.perf_counter()
     exported = sum(t.numel() * t.element_size() for _, t in exporter.named_tensors())
     export_s = time.perf_counter() - start
     rows = [_measure_backend(job, kind, exporter, device, dtype) for kind in job.backends]
+    if settings is not None:
+        rows.append(_measure_adapter_sync(job, model, settings))
     if dist.get_rank() != 0:
         return None
     return {"rows": rows, "export_s": export_s, "export_bytes": exported,
             "floor_gbs": copy_floor_gbs(device)}
+
+
+def _with_adapters(model: Any, rank: int) -> Any:
+    """Adapters of rank ``rank`` on ``actor.lora``'s default targets, B seeded away from zero
+    (a merge of B = 0 would change nothing); returns their LoraSettings."""
+    from megarl.megatron.lora import adapters, apply_lora
+    from megarl.megatron.settings import LoraSettings
+
+    settings = LoraSettings(rank=rank, alpha=2.0 * rank)
+    apply_lora(model, settings)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for adapter in adapters(model).values():
+            for name, param in adapter.named_parameters():
+                if name.startswith("lora_B"):
+                    param.copy_(0.01 * torch.randn(param.shape, generator=generator))
+    return settings
+
+
+def _measure_adapter_sync(job: RankJob, model: Any, settings: Any) -> dict[str, Any] | None:
+    """The adapter sync, ``repeats`` times (each a new adapter name, the previous unloaded):
+    gather in PEFT's format (collective), flatten, post to every engine; rank 0 returns the
+    figures of the fastest."""
+    import httpx
+
+    from megarl.megatron.lora import peft_adapter
+    from megarl.weights.flattened import FLATTENED_BUCKET, flatten_bucket, serialize
+
+    def post(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
+        for url in job.urls:
+            answer = client.post(url + path, json=body).json()
+            if not answer.get("success"):
+                raise RuntimeError(f"adapter sync: {url}{path}: {answer.get('error_message')}")
+
+    times, sent, previous = [], 0, None
+    with httpx.Client(timeout=600) as client:
+        for r in range(job.repeats + 1):  # the first one is not timed
+            start = time.perf_counter()
+            adapter = peft_adapter(model, settings)
+            if adapter is None:
+                continue
+            config, tensors = adapter
+            payload = flatten_bucket([(k, v.detach().cpu()) for k, v in tensors.items()])
+            name = f"bench-{r}"
+            post(client, "/load_lora_adapter_from_tensors",
+                 {"lora_name": name, "config_dict": config, "serialized_tensors":
+                  serialize(payload), "load_format": FLATTENED_BUCKET})
+            if previous is not None:
+                post(client, "/unload_lora_adapter", {"lora_name": previous})
+            previous = name
+            sent = sum(t.numel() * t.element_size() for t in tensors.values())
+            if r:
+                times.append(time.perf_counter() - start)
+    if not times:
+        return None
+    best = min(times)
+    return {"backend": "adapter", "seconds": best, "gb_per_s": sent / best / 1e9, "bytes": sent,
+            "tensors_checked": 0, "buckets": 1, "peak_buffer_mb": sent / MB}
 
 
 def _rank_main(rank: int, world_size: int, port: int, job: RankJob, results: Any) -> None:
@@ -235,6 +305,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the generated model, engine logs and disk updates go "
                         "(default: a new temporary directory)")
     p.add_argument("--timeout-s", type=float, default=1800.0)
+    p.add_argument("--lora-rank", type=int, default=0,
+                   help="LoRA adapters of this rank: the backends time the merged sync, an "
+                        "'adapter' row the adapter sync (0: no adapters)")
     return p
 
 
@@ -253,6 +326,16 @@ def print_figures(args: argparse.Namespace, model: str, result: dict[str, Any]) 
         print(f"{row['backend']:<8} {row['seconds']:>8.3f} {row['gb_per_s']:>7.3f} "
               f"{row['gb_per_s'] / floor:>8.3f} {row['buckets']:>8} "
               f"{row['peak_buffer_mb']:>12.1f} {row['tensors_checked']:>8}")
+    adapter = next((r for r in result["rows"] if r["backend"] == "adapter"), None)
+    if adapter is not None:
+        merged = [r for r in result["rows"] if r["backend"] != "adapter"]
+        fastest = min(merged, key=lambda r: r["seconds"]) if merged else None
+        line = (f"LoRA rank {args.lora_rank}: the adapter sync sends {adapter['bytes'] / 1e6:.3f}"
+                f" MB ({adapter['bytes'] / result['export_bytes']:.2%} of the merged model)")
+        if fastest is not None:
+            line += (f"; the fastest merged sync ({fastest['backend']}) takes "
+                     f"{fastest['seconds'] / adapter['seconds']:.1f}x its time")
+        print(line)
 
 
 def weight_sync_main(argv: Sequence[str]) -> int:
@@ -264,20 +347,24 @@ def weight_sync_main(argv: Sequence[str]) -> int:
         if getattr(args, field) < 1:
             print(f"--{field}: must be >= 1", file=sys.stderr)
             return 2
+    if args.lora_rank < 0:
+        print("--lora-rank: must be >= 0 (0: no adapters)", file=sys.stderr)
+        return 2
     on_gpu = torch.cuda.is_available()
     args.dtype = dtype = args.dtype or ("bfloat16" if on_gpu else "float32")
     with tempfile.TemporaryDirectory(dir=args.work_dir) as work:
         root = Path(work)
         model_dir = Path(args.model) if args.model else generated_model(root, args.size_mb,
                                                                         args.ep > 1)
+        lora = ["--enable-lora"] if args.lora_rank else []
         servers = launch_local_engines(str(model_dir), args.engines,
                                        num_threads=None if on_gpu else 1,
-                                       extra_args=["--dtype", dtype], log_dir=root / "logs",
-                                       ready_timeout_s=args.timeout_s)
+                                       extra_args=["--dtype", dtype, *lora],
+                                       log_dir=root / "logs", ready_timeout_s=args.timeout_s)
         try:
             job = RankJob(str(model_dir), args.tp, args.pp, args.ep, dtype,
                           tuple(s.url for s in servers), tuple(args.backend), args.bucket_mb,
-                          args.repeats, str(root / "disk"))
+                          args.repeats, str(root / "disk"), args.lora_rank)
             result = run_ranks(job, args.timeout_s)
         except RuntimeError as err:
             print(f"megarl bench weight-sync: {err}", file=sys.stderr)

@@ -63,10 +63,12 @@ class MegatronExporter:
         to the end, in step)."""
         from megarl.megatron import cpu_compat
         from megarl.megatron.hf_export import export_hf_weights
+        from megarl.megatron.lora import export_merged_weights
 
         cpu_compat.enable()
-        with torch.no_grad():
-            for name, tensor in export_hf_weights(self.model):
+        export = export_merged_weights if self.model.lora else export_hf_weights
+        with torch.no_grad():  # with LoRA adapters: W + scale * B @ A under the base names
+            for name, tensor in export(self.model):
                 yield name, tensor.detach()
 
     def specs(self) -> list[TensorSpec]:
