@@ -19,8 +19,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/megarl demo
 
+# -X faulthandler: a crash of the test process prints every thread's stack
 test: $(STAMP)
-	$(PY) -m pytest -q -x --durations=40 tests
+	$(PY) -X faulthandler -m pytest -q -x --durations=40 tests
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests

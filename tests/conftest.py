@@ -10,6 +10,8 @@ one thread because the tests start rank processes and servers of their own on 2 
 After every test the thread count, the default dtype and grad mode must be what they were
 before: library code must leave its caller's process as it found it (STYLE.md), and a test that
 changes them must restore them.
+
+The session ends through :mod:`ray_exit` (Ray's leftover threads and the interpreter's exit).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from ray_exit import pytest_sessionfinish, pytest_unconfigure  # noqa: F401 (hooks)
 
 TEST_THREADS = 1
 
