@@ -39,11 +39,6 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
      and c.algorithm.rollout_correction.bypass_mode,
      ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "
       "actor.router_replay.mode=R3 or algorithm.rollout_correction.bypass_mode=false")),
-    ("actor.lora.sync", lambda c: c.actor.lora.rank > 0 and c.actor.lora.sync == "adapter"
-     and c.scheduler.mode != "colocate_sync",
-     ("the adapter sync runs under scheduler.mode=colocate_sync: the overlapping schedulers' "
-      "own rollout clients do not name the adapter yet; use colocate_sync, or set "
-      "actor.lora.sync=merged")),
     ("actor.lora.target_modules", lambda c: c.actor.lora.rank > 0
      and c.actor.lora.sync == "adapter" and any(
         t.startswith("experts.") for t in c.actor.lora.target_modules or ()),

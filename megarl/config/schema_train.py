@@ -156,8 +156,9 @@ class LoraConfig(Section):
         "/load_lora_adapter_from_tensors (a new name per version, the previous one unloaded; "
         "every request names it with lora_path); the engines keep model.path as the base, so "
         "model.mcore_checkpoint is refused. Engines start with --enable-lora (SGLang also "
-        "with --max-lora-rank and --lora-target-modules); scheduler.mode=colocate_sync only in "
-        "this version"))
+        "with --max-lora-rank and --lora-target-modules). Every scheduler syncs between "
+        "generations, so no request in flight uses the adapter unloaded; routed-expert "
+        "adapters sync merged only"))
 
 
 class ActorConfig(Section):

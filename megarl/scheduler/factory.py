@@ -19,9 +19,10 @@ def default_client_factory(trainer: StepDriver) -> Callable[[], Any]:
 
     cfg, client = trainer.cfg, trainer.workers.client
 
-    def make() -> SGLangClient:
+    def make() -> SGLangClient:  # naming the adapter the trainer's client names (adapter sync)
         return SGLangClient(client.urls, router_url=client.router_url,
-                            timeout_s=cfg.trainer.phase_timeout_s, api_key=cfg.rollout.api_key)
+                            timeout_s=cfg.trainer.phase_timeout_s, api_key=cfg.rollout.api_key,
+                            adapter=client.adapter)
 
     return make
 

@@ -204,8 +204,9 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
     """The per-step sync of ``actor.lora.sync: adapter``: rank 0's adapters in PEFT's format
     go to every engine as adapter ``policy-v<version>`` (SGLang's
     ``/load_lora_adapter_from_tensors``, one flattened bucket inline), every later request
-    names it, and the previous version is unloaded. A restarted engine has none loaded: it
-    gets the new one like the others."""
+    names it, and the previous version is unloaded; the engines' ``weight_version`` (which
+    every sample carries, for staleness) is set to ``version``. A restarted engine has none
+    loaded: it gets the new one like the others."""
     from megarl.weights.flattened import flatten_bucket, serialize
 
     timeout = cfg.trainer.phase_timeout_s
@@ -224,6 +225,8 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
                     name, config, serialize(payload), load_format=FLATTENED_BUCKET)
                 if previous is not None and not restart:
                     await engines.unload_lora_adapter(previous)
+                # the base weights stay, so no update stamps the version the samples carry
+                await engines.update_weight_version(str(version))
 
             _DriverHttp(urls, push, cfg.rollout.api_key,
                         cfg.rollout.gpus_per_engine).join(timeout, "sync_weights (adapter)")

@@ -146,3 +146,38 @@ def test_the_adapter_sync_sends_only_the_adapters_and_the_engine_serves_them(tmp
         assert metrics["rollout/weight_version"] == step
         assert metrics["checkpoint_engine/bytes"] == adapter_bytes
     assert history[1]["actor/pg_loss"] != history[0]["actor/pg_loss"]
+
+
+@pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
+def test_the_adapter_sync_under_the_overlapping_schedulers(tmp_path, mode):
+    """The overlapping schedulers generate through clients of their own: those name the adapter
+    of the latest sync too (else every request would go to the base model). Three steps;
+    one_step_off generates steps 1 and 2 before the first sync (base) and step 3 under
+    policy-v1, 16 prompts x 8 samples each; fully_async (a sync after every step) names each
+    version once synced. Every sync moved the adapters' bytes only."""
+    import httpx
+
+    trainer = lora_demo_trainer(tmp_path, 0, "trainer.total_steps=3", "actor.lora.sync=adapter",
+                                f"scheduler.mode={mode}", "scheduler.trigger_parameter_sync_step=1")
+    try:
+        trainer.setup()
+        history = trainer.fit()
+        url = trainer.workers.client.urls[0]
+        served = httpx.get(f"{url}/get_server_info", timeout=30).json()["internal_states"][0]
+        lora_path = trainer.workers.client.lora_path
+        _, tensors = trainer.workers.actor.execute_all("lora_adapter")[0]
+    finally:
+        trainer.close()
+    assert lora_path == "policy-v3"
+    requests = served["lora_requests"]
+    assert "policy-v1" in requests, requests
+    assert set(requests) <= {"", "policy-v1", "policy-v2", "policy-v3"}, requests
+    if mode == "one_step_off":
+        assert requests["policy-v1"] == 16 * 8 and requests[""] >= 2 * 16 * 8, requests
+        # the engines carry the synced version: step 3's samples (policy-v1) are one update
+        # old, not two (the version stamped at the adapter sync)
+        assert [m["staleness/max"] for m in history] == [0.0, 1.0, 1.0]
+    assert max(m["staleness/max"] for m in history) <= 1.0  # fully_async drops what is older
+    adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    synced = [m["checkpoint_engine/bytes"] for m in history if "checkpoint_engine/bytes" in m]
+    assert synced and all(b == adapter_bytes for b in synced), synced

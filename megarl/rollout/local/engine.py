@@ -5,8 +5,8 @@ the row, prefill-token and KV-cache budgets (``max_total_tokens``: the token slo
 may hold at its peak, each row at its final length, as SGLang's ``--max-total-tokens`` bounds
 its pool), prefills them together (the prompt once, its KV copied to the ``n`` sample rows),
 samples their first tokens and adds them to the running batch; then the whole batch decodes one
-token. Requests that arrive while others run join at the next step. Each row may name a LoRA
-adapter (``lora_path``), applied to its rows only (lora_serving.py).
+token. Requests that arrive while others run join at the next step. A row may name a LoRA
+adapter (``lora_path``) applied to its rows only (lora_serving.py; counted per adapter).
 
 A step that runs out of device memory (``torch.OutOfMemoryError``: e.g. a colocated trainer's
 leftovers) fails nothing at first: the running rows are retracted with their tokens (as
@@ -15,8 +15,7 @@ shrinks to three quarters of what the cache held (the prefill budget halves if a
 failed), and the rows queue again; :data:`OOM_RETRIES` failures in a row fail the requests.
 
 Everything that touches the model (generation, weight loads, aborts, pause modes) runs on the
-engine thread, between steps: other threads hand it functions through :meth:`LocalEngine.call`,
-so a weight update never lands in the middle of a forward.
+engine thread between steps (other threads hand it functions: :meth:`LocalEngine.call`).
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ import queue
 import threading
 import time
 import uuid
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -166,6 +165,7 @@ class LocalEngine:
         """Generation steps run so far (``/health`` takes any progress as a sign of life)."""
         self.oom_recoveries = 0
         """Out-of-memory steps recovered from by retracting the rows (module docstring)."""
+        self.lora_requests: Counter[str] = Counter()  # per lora_path ("": the base model)
         self._oom_streak = 0
         self._step_delay_s = engine_step_delay()
         self._generator = torch.Generator()
@@ -225,15 +225,15 @@ class LocalEngine:
         return self.call(self._resume)
 
     def load_state(self) -> dict[str, Any]:
-        """Counts for ``/get_server_info`` (read without locking; approximate).
-        ``generation_steps`` (the embedded engine's, not SGLang's) lets a test see that nothing
-        ran while paused."""
+        """Counts for ``/get_server_info`` (read without locking; approximate); the embedded
+        engine's ``generation_steps`` shows that nothing ran while paused."""
         running = sum(s.finish is None for s in self._rows)
         return {"num_running_reqs": running, "num_waiting_reqs": len(self._waiting),
                 "paused": self.paused, "released": sorted(self.released),
                 "weight_version": self.weight_version, "generation_steps": self.steps,
                 "oom_recoveries": self.oom_recoveries,
-                "fp8_gemm": gemm_backend(self.runner.device) if self.runner.quantization else None}
+                "fp8_gemm": gemm_backend(self.runner.device) if self.runner.quantization else None,
+                "lora_requests": dict(self.lora_requests) if self.runner.lora else None}
 
     @property
     def busy(self) -> bool:
@@ -298,6 +298,7 @@ class LocalEngine:
         if request.lora is not None and request.lora not in getattr(runner.lora, "adapters", {}):
             request.future.set_exception(ValueError(f"lora_path {request.lora!r} was unloaded"))
             return
+        self.lora_requests[request.lora or ""] += 1
         max_new = min(p.max_new_tokens, runner.context_length - len(request.prompt_ids))
         stop_ids = frozenset(p.stop_token_ids) | (
             frozenset() if p.ignore_eos else frozenset(runner.eos_token_ids))

@@ -69,6 +69,15 @@ class _EngineLost(Exception):
 
 
 @dataclass
+class AdapterRef:
+    """The loaded LoRA adapter every ``/generate`` names (``actor.lora.sync: adapter``; None:
+    the engines' own weights), shared by the trainer's client and the overlapping schedulers'
+    own clients, so a sync's new name reaches every request."""
+
+    name: str | None = None
+
+
+@dataclass
 class ClientStats:
     """What the client did to keep generation going (counters since it was created)."""
 
@@ -102,6 +111,7 @@ class SGLangClient(EngineCalls):
         unhealthy_after: int = 3,
         health_timeout_s: float = 5.0,
         on_engine_down: Callable[[int, str], None] | None = None,
+        adapter: AdapterRef | None = None,
     ) -> None:
         if not engine_urls:
             raise ValueError("engine_urls: give at least one engine URL")
@@ -116,9 +126,7 @@ class SGLangClient(EngineCalls):
         self.health_timeout_s = health_timeout_s
         self.on_engine_down = on_engine_down
         self.balancer = LoadBalancer(len(self.urls))
-        self.lora_path: str | None = None
-        """The loaded LoRA adapter every ``/generate`` names (``actor.lora.sync: adapter``);
-        None: the engines' own weights."""
+        self.adapter = adapter or AdapterRef()
         self.stats = ClientStats(requests=[0] * len(self.urls))
         self._limit = max_concurrency_per_engine
         self._semaphores: list[asyncio.Semaphore] | None = None
@@ -260,6 +268,15 @@ class SGLangClient(EngineCalls):
                     raise EngineError(f"{err} (waited {self.failover_timeout_s:.0f} s for one to "
                                       "be readmitted)") from None
             await asyncio.sleep(0.1)
+
+    @property
+    def lora_path(self) -> str | None:
+        """The adapter every ``/generate`` names (:class:`AdapterRef`)."""
+        return self.adapter.name
+
+    @lora_path.setter
+    def lora_path(self, name: str | None) -> None:
+        self.adapter.name = name
 
     async def _generate_on(self, engine: int, rids: list[str], payload: dict[str, Any]) -> Any:
         """POST ``/generate`` (the requests ``rids``) to ``engine``; :class:`_EngineLost` when
