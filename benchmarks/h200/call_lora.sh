@@ -1,0 +1,28 @@
+# H200 call (issue 33): LoRA on a model a full fine-tune cannot fit on one H200. The MoE shape of
+# e2e_step.py at LORA_LAYERS (24) of Qwen3-30B-A3B's layers: ~15B parameters, 30 GB of bf16
+# weights; a full fine-tune needs ~250 GB (fp32 grads and Adam), and the preflight refuses it
+# (first run, exit 1 expected). Then LoRA (rank 32 on the attention) with the merged sync and with
+# the adapter sync: warm-up + LORA_STEPS timed steps of LORA_PROMPTS prompts each, JSON to $OUT.
+source benchmarks/h200/setup.sh
+L=${LORA_LAYERS:-24}
+common="--shape moe --moe-layers $L --trl off --out /tmp/e2e_lora --prompts ${LORA_PROMPTS:-16}
+  --steps ${LORA_STEPS:-1} --warmup 1"
+( while true; do echo "$(date +%T) host_used_mib $(free -m | awk 'NR==2{print $3, $7}') gpu \
+    $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; sleep 5; done ) \
+  > $OUT/mem_lora.log 2>&1 &
+monitor=$!
+timeout 200 python3 benchmarks/e2e_step.py $common > $OUT/lora_full_refusal.log 2>&1
+echo "full fine-tune rc=$? (1 expected: refused)"
+grep -v -i "warn" $OUT/lora_full_refusal.log | grep -i -E "refus|GB|error" | tail -12
+cp /tmp/e2e_lora/e2e_step.json $OUT/lora_full_refusal.json 2>/dev/null
+for sync in ${LORA_SYNCS:-merged adapter}; do
+  rm -f /tmp/e2e_lora/e2e_step.json
+  PYTHONFAULTHANDLER=1 timeout -s ABRT -k 15 ${LORA_TIMEOUT:-200} python3 benchmarks/e2e_step.py \
+    $common --set actor.lora.rank=32 actor.lora.alpha=64 actor.lora.sync=$sync \
+    > $OUT/lora_$sync.log 2>&1
+  echo "lora $sync rc=$?"
+  grep -v -i "warn" $OUT/lora_$sync.log | tail -25
+  cp /tmp/e2e_lora/e2e_step.json $OUT/lora_$sync.json 2>/dev/null
+  cp /tmp/e2e_lora/moe/megarl/metrics.jsonl $OUT/lora_metrics_$sync.jsonl 2>/dev/null
+done
+kill $monitor 2>/dev/null
