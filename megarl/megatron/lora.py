@@ -72,6 +72,7 @@ from megarl.megatron.lora_experts import (
     HF_EXPERT_PARAMS,
     ExpertLoraAdapter,
     add_expert_adapter_output,
+    gather_shards,
     peft_expert_key,
     sharded_state_dict_with_expert_adapter,
 )
@@ -189,8 +190,8 @@ class LoraAdapter(torch.nn.Module):
         """``(A, B)`` of every part, gathered over TP (collective over the TP group)."""
         a, bs = self.lora_A.detach(), [b.detach() for b in self.lora_B]
         if self.kind == "row":
-            return [(_gather(a, 1, self.tp_group), bs[0].clone())]
-        return [(ap.clone(), _gather(bp, 0, self.tp_group))
+            return [(gather_shards(a, 1, self.tp_group), bs[0].clone())]
+        return [(ap.clone(), gather_shards(bp, 0, self.tp_group))
                 for ap, bp in zip(a.split(self.rank), bs)]
 
     @torch.no_grad()
@@ -221,14 +222,6 @@ def lora_delta(a: torch.Tensor, bs: list[torch.Tensor], scale: float,
     rank = bs[0].shape[1]
     pieces = [(b.detach().float() @ ap).T for ap, b in zip(a.split(rank), bs)]
     return scale * part_layout(pieces, qkv_groups).T
-
-
-def _gather(shard: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
-    if group.size() == 1:
-        return shard.clone()
-    pieces = [torch.empty_like(shard) for _ in range(group.size())]
-    dist.all_gather(pieces, shard.contiguous(), group=group)
-    return torch.cat(pieces, dim=dim)
 
 
 def _add_adapter_output(module: torch.nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -304,15 +297,14 @@ def apply_lora(model: ActorModel, settings: LoraSettings) -> list[str]:
             if target not in targets or is_excluded(name, settings.exclude_modules):
                 continue
             kind = "row" if target in ROW_PARALLEL else "column"
+            parts = _parts(target, config)
             if target in HF_EXPERT_PARAMS:
-                parts = ("gate", "up") if kind == "column" else ("",)
-                _parts(target, config)  # a gated MLP
                 module.lora = ExpertLoraAdapter(module, name, kind, parts, settings)
                 module.register_forward_hook(add_expert_adapter_output, with_kwargs=True)
                 module.sharded_state_dict = functools.partial(
                     sharded_state_dict_with_expert_adapter, module, module.sharded_state_dict)
             else:
-                module.lora = LoraAdapter(module, name, kind, _parts(target, config), settings)
+                module.lora = LoraAdapter(module, name, kind, parts, settings)
                 module.register_forward_hook(_add_adapter_output, with_kwargs=True)
                 module.sharded_state_dict = functools.partial(_sharded_state_dict_with_adapter,
                                                               module, module.sharded_state_dict)
@@ -380,11 +372,13 @@ def hf_modules(target: str, model_type: str) -> tuple[str, ...]:
     return HF_MODULES[target]
 
 
-def _peft_keys(model: ActorModel, adapter: LoraAdapter | ExpertLoraAdapter) -> list[str]:
+def _peft_keys(model: ActorModel, adapter: LoraAdapter | ExpertLoraAdapter,
+               names: list[str]) -> list[str]:
+    """PEFT's module keys of ``adapter``'s parts (``names``: every adapter of this rank)."""
     _, index, path = adapter.name.split(".", 2)
     prefix = f"base_model.model.model.layers.{index}"
     if isinstance(adapter, ExpertLoraAdapter):
-        siblings = [n for n in adapters(model) if n.startswith(f"layers.{index}.mlp.experts.")]
+        siblings = [n for n in names if n.startswith(f"layers.{index}.mlp.experts.")]
         return [f"{prefix}.{peft_expert_key(siblings, adapter.name)}"]
     target = LAYER_PATHS[path]
     return [f"{prefix}.{m}" for m in hf_modules(target, model.hf_config.model_type)]
@@ -393,17 +387,18 @@ def _peft_keys(model: ActorModel, adapter: LoraAdapter | ExpertLoraAdapter) -> l
 def peft_state_dict(model: ActorModel) -> dict[str, torch.Tensor]:
     """This rank's adapters, whole, under PEFT's saved names
     (``base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight``); collective over TP."""
-    out = {}
-    for adapter in adapters(model).values():
-        for key, (a, b) in zip(_peft_keys(model, adapter), adapter.whole_parts()):
+    out, found = {}, adapters(model)
+    for adapter in found.values():
+        for key, (a, b) in zip(_peft_keys(model, adapter, list(found)), adapter.whole_parts()):
             out[f"{key}.lora_A.weight"], out[f"{key}.lora_B.weight"] = a, b
     return out
 
 
 def load_peft_state_dict(model: ActorModel, state: dict[str, torch.Tensor]) -> None:
     """Set this rank's adapters from whole tensors under PEFT's saved names."""
-    for adapter in adapters(model).values():
-        keys = _peft_keys(model, adapter)
+    found = adapters(model)
+    for adapter in found.values():
+        keys = _peft_keys(model, adapter, list(found))
         missing = [k for k in keys if f"{k}.lora_A.weight" not in state]
         if missing:
             raise KeyError(f"{adapter.name}: no adapter for {missing[0]} in the state given")

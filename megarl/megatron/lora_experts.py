@@ -5,8 +5,9 @@ HF keeps an MoE layer's experts as two 3-D parameters (``mlp.experts.gate_up_pro
 ``[E, 2I, H]``, ``mlp.experts.down_proj`` ``[E, H, I]``) and PEFT adapts them through
 ``target_parameters``: expert ``e`` gets ``A_e`` ``[r, in]`` and ``B_e`` ``[out, r]``, one A for
 gate and up together. :class:`ExpertLoraAdapter` holds the same matrices for the experts of this
-rank, on the grouped linear layer of megatron's native spec (:mod:`megarl.megatron.native_modules`),
-and adds ``scale * B_e A_e x`` to each expert's rows through the same grouped GEMM as the base.
+rank, on the grouped linear layer of megatron's native spec
+(:mod:`megarl.megatron.native_modules`), and adds ``scale * B_e A_e x`` to each expert's rows
+through the same grouped GEMM as the base.
 
 Sharding follows the base layer: the token dispatcher gives every expert-TP (ETP) rank the same
 rows and sums the ranks' outputs (fc2) and input gradients, so
@@ -64,7 +65,8 @@ class ExpertLoraAdapter(torch.nn.Module):
         kw = {"dtype": base.weight0.dtype, "device": base.weight0.device}
         a_in = in_local if kind == "row" else self.in_features
         self.lora_A = torch.nn.ParameterList(
-            [torch.nn.Parameter(torch.empty(self.rank, a_in, **kw)) for _ in range(self.num_local)])
+            [torch.nn.Parameter(torch.empty(self.rank, a_in, **kw))
+             for _ in range(self.num_local)])
         part_out = out_local // len(parts)
         self.lora_B = torch.nn.ModuleList([torch.nn.ParameterList(
             [torch.nn.Parameter(torch.zeros(part_out, self.rank, **kw))
@@ -120,15 +122,16 @@ class ExpertLoraAdapter(torch.nn.Module):
         """``[(A, B)]`` of every expert of the layer in PEFT's fused layout (``A`` ``[E * r,
         in]``, row ``e * r + j``; ``B`` ``[out, r * E]``, column ``j * E + e``), gathered over
         ETP and EP (collective over both groups)."""
-        a = torch.stack([_gather(p.detach(), 1, self.etp_group) if self.kind == "row"
+        a = torch.stack([gather_shards(p.detach(), 1, self.etp_group) if self.kind == "row"
                          else p.detach().clone() for p in self.lora_A])
         if self.kind == "column":
-            b = torch.stack([torch.cat([_gather(part[k].detach(), 0, self.etp_group)
+            b = torch.stack([torch.cat([gather_shards(part[k].detach(), 0, self.etp_group)
                                         for part in self.lora_B])
                              for k in range(self.num_local)])
         else:
             b = torch.stack([self.lora_B[0][k].detach().clone() for k in range(self.num_local)])
-        a, b = _gather(a, 0, self.ep_group), _gather(b, 0, self.ep_group)  # [E, r, in], [E, out, r]
+        # every expert of the layer: [E, r, in], [E, out, r]
+        a, b = gather_shards(a, 0, self.ep_group), gather_shards(b, 0, self.ep_group)
         experts = a.shape[0]
         return [(a.reshape(experts * self.rank, -1), b.permute(1, 2, 0).reshape(b.shape[1], -1))]
 
@@ -171,7 +174,8 @@ class ExpertLoraAdapter(torch.nn.Module):
         return out
 
 
-def _gather(shard: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+def gather_shards(shard: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """The shards of ``group``'s ranks concatenated along ``dim`` (a copy; collective)."""
     if group.size() == 1:
         return shard.clone()
     pieces = [torch.empty_like(shard) for _ in range(group.size())]
