@@ -5,7 +5,10 @@ megatron-core's dist-checkpointing writes and reads (:mod:`megarl.megatron.check
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -116,6 +119,23 @@ def _rng_sharded_object(state: Any) -> ShardedObject:
     return ShardedObject("megarl.rng_state", state, (world,), (dist.get_rank(),), replica_id=0)
 
 
+@contextlib.contextmanager
+def _collections_see_only_new_objects() -> Iterator[None]:
+    """Inside, a full ``gc.collect()`` scans only the objects created inside.
+
+    megatron-core's ``DistributedOptimizer.sharded_state_dict`` ends with ``gc.collect()`` (for
+    the garbage of its own state conversion). In a rank, which holds the half million objects of
+    torch, megatron-core and Ray, that collection takes 0.25-0.3 s of CPU at every save and
+    load. ``gc.freeze`` sets the objects that exist before the call aside for that collection;
+    ``gc.unfreeze`` hands them back to the collector, so nothing is kept alive that would
+    otherwise be freed."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def sharded_actor_state(
     target: ActorModel | TrainableActor, with_optimizer: bool, with_rng: bool, loading: bool
 ) -> dict[str, Any]:
@@ -124,9 +144,10 @@ def sharded_actor_state(
     model = target.model if isinstance(target, TrainableActor) else target
     state = sharded_model_state(model)
     if with_optimizer:
-        state["optimizer"] = target.optimizer.sharded_state_dict(
-            state, is_loading=loading, metadata=dict(OPTIMIZER_METADATA)
-        )
+        with _collections_see_only_new_objects():
+            state["optimizer"] = target.optimizer.sharded_state_dict(
+                state, is_loading=loading, metadata=dict(OPTIMIZER_METADATA)
+            )
     if with_rng:
         state["rng_state"] = _rng_sharded_object(None if loading else _rng_state())
     return state

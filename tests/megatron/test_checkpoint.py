@@ -391,3 +391,34 @@ def load_then_save(model_dir, root):
     with child_processes_allowed():
         checkpoint.save_checkpoint(root, model, 3)
     return loaded.step, sorted(p.name for p in root.iterdir())
+
+
+def test_the_optimizers_collection_scans_only_its_own_objects_and_frees_the_rest_later():
+    """megatron's optimizer state dict ends with a full ``gc.collect()``; inside
+    ``_collections_see_only_new_objects`` that collection skips the objects that existed before
+    (frozen), collects the cycles made inside, and afterwards nothing stays frozen: a cycle that
+    was garbage before is collected by the next collection."""
+    import gc
+    import weakref
+
+    from megarl.megatron.checkpoint_state import _collections_see_only_new_objects
+
+    class Node:
+        pass
+
+    def cycle() -> weakref.ref:
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        return weakref.ref(a)
+
+    gc.collect()
+    frozen_before = gc.get_freeze_count()
+    old = cycle()  # unreachable already, but only a collection frees a cycle
+    with _collections_see_only_new_objects():
+        assert gc.get_freeze_count() > frozen_before
+        new = cycle()
+        gc.collect()  # what megatron does
+        assert new() is None and old() is not None  # the old objects were not scanned
+    assert gc.get_freeze_count() == frozen_before
+    gc.collect()
+    assert old() is None

@@ -17,6 +17,7 @@ import time
 import psutil
 from trainer_runs import assert_same_metrics, finish, run_metrics, start_train, tag_of, train
 
+from megarl.faults import ENGINE_DELAY_ENV
 from megarl.metrics.trackers import read_metrics_jsonl
 
 
@@ -61,8 +62,10 @@ def test_resumed_run_equals_uninterrupted_run(demo_assets, expected, tmp_path):
     checkpoints = out / "checkpoints"
     overrides = ("trainer.async_save=true",)
     run = functools.partial(train, demo_assets, out, *overrides)
-    # killed halfway through generating step 2: step 1 was still unpublished (none to resume)
-    assert run(crash="gen:2:1.0") == -signal.SIGKILL
+    # killed halfway through generating step 2: step 1 was still unpublished (none to resume).
+    # Each engine step of this run lasts >= 0.3 s, so 0.1 s after step 2's generation began it
+    # is surely under way, however fast the machine (a crash delay alone can land after it)
+    assert run(crash="gen:2:0.1", env={ENGINE_DELAY_ENV: "0.3"}) == -signal.SIGKILL
     assert not (checkpoints / "latest").exists() and published(checkpoints) == []
     # starts over; an actor rank dies after step 2 was logged: step 1 is published (step 2 too
     # if step 3 had begun training)

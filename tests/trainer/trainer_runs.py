@@ -50,12 +50,14 @@ def kill_tagged(tag: str) -> None:
 
 def start_train(assets: Path, out: Path, *overrides: str, crash: str | None = None,
                 torchrun: bool = False, config: Path = DEMO_CONFIG,
-                total_steps: int = TOTAL_STEPS) -> tuple[subprocess.Popen, str]:
+                total_steps: int = TOTAL_STEPS,
+                env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """A ``megarl train`` process (``total_steps`` steps of ``config``, a checkpoint after each;
-    ``torchrun`` launches it under a torchrun of 2 processes) and the environment tag its
-    descendants carry; its output goes to ``out``/../<name>-<tag>.log."""
+    ``torchrun`` launches it under a torchrun of 2 processes; ``env``: more environment for it
+    and its descendants) and the environment tag they carry; its output goes to
+    ``out``/../<name>-<tag>.log."""
     tag = uuid.uuid4().hex
-    env = {**os.environ, "MEGARL_TEST_TAG": tag, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, **(env or {}), "MEGARL_TEST_TAG": tag, "OMP_NUM_THREADS": "1"}
     env.pop("MEGARL_CRASH_AT", None)
     if crash:
         env["MEGARL_CRASH_AT"] = crash
@@ -93,10 +95,10 @@ def finish(proc: subprocess.Popen, tag: str, expect_ok: bool) -> tuple[int, str]
 
 def train(assets: Path, out: Path, *overrides: str, crash: str | None = None,
           torchrun: bool = False, config: Path = DEMO_CONFIG,
-          total_steps: int = TOTAL_STEPS) -> int:
+          total_steps: int = TOTAL_STEPS, env: dict[str, str] | None = None) -> int:
     """One ``megarl train`` run; its exit code: 0, or -9 when it crashed as asked."""
     proc, tag = start_train(assets, out, *overrides, crash=crash, torchrun=torchrun,
-                            config=config, total_steps=total_steps)
+                            config=config, total_steps=total_steps, env=env)
     code, output = finish(proc, tag, expect_ok=crash is None)
     if crash is not None and code != -signal.SIGKILL:
         raise AssertionError(f"expected a crash at {crash}, got exit {code}:\n{output[-5000:]}")
