@@ -55,7 +55,7 @@ def test_lora_run_killed_mid_update_resumes_exactly(demo_assets, tmp_path):
     assert train(demo_assets, whole, *LORA) == 0
     metrics = run_metrics(whole)
     crashy = tmp_path / "crashy"
-    assert train(demo_assets, crashy, *LORA, crash="update_actor:3:0.3") == -signal.SIGKILL
+    assert train(demo_assets, crashy, *LORA, crash="update_actor:3:0.05") == -signal.SIGKILL
     assert (crashy / "checkpoints" / "latest").read_text().strip() == "step_00000002"
     assert train(demo_assets, crashy, *LORA) == 0
     assert assert_same_metrics(run_metrics(crashy), metrics) > 40

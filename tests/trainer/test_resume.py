@@ -17,7 +17,7 @@ import time
 import psutil
 from trainer_runs import assert_same_metrics, finish, run_metrics, start_train, tag_of, train
 
-from megarl.faults import ENGINE_DELAY_ENV
+from megarl.faults import ENGINE_DELAY_ENV, WRITE_DELAY_ENV
 from megarl.metrics.trackers import read_metrics_jsonl
 
 
@@ -72,11 +72,13 @@ def test_resumed_run_equals_uninterrupted_run(demo_assets, expected, tmp_path):
     kill_a_rank_after_step(demo_assets, out, 2, *overrides)
     after_dead_rank = (checkpoints / "latest").read_text().strip()
     assert after_dead_rank in ("step_00000001", "step_00000002")
-    # resumed; killed in the update of step 3 (step 2 published when step 3 began training)
-    assert run(crash="update_actor:3:0.3") == -signal.SIGKILL
+    # resumed; killed in the update of step 3 (step 2 published when step 3 began training;
+    # step 3 would be when step 4 began training, ~0.5 s after step 3's update began here)
+    assert run(crash="update_actor:3:0.05") == -signal.SIGKILL
     assert (checkpoints / "latest").read_text().strip() == "step_00000002"
-    # resumed at step 3; killed while the checkpoint of step 3 is being written
-    assert run(crash="save:3:0.05") == -signal.SIGKILL
+    # resumed at step 3; killed while the checkpoint of step 3 is being written (each rank's
+    # writer waits 2 s before it writes: a slow file system)
+    assert run(crash="save:3:0.05", env={WRITE_DELAY_ENV: "2"}) == -signal.SIGKILL
     assert (checkpoints / "latest").read_text().strip() == "step_00000002"
     # resumed again; runs to the end (the last save is published before the run exits)
     assert run() == 0
