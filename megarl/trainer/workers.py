@@ -206,7 +206,9 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
     ``/load_lora_adapter_from_tensors``, one flattened bucket inline), every later request
     names it, and the previous version is unloaded; the engines' ``weight_version`` (which
     every sample carries, for staleness) is set to ``version``. A restarted engine has none
-    loaded: it gets the new one like the others."""
+    loaded: it gets the new one like the others, and the previous one is unloaded from the
+    engines that kept running (each restart would otherwise leave one adapter behind on them,
+    until SGLang's ``--max-loaded-loras`` refuses the next load)."""
     from megarl.weights.flattened import flatten_bucket, serialize
 
     timeout = cfg.trainer.phase_timeout_s
@@ -216,6 +218,7 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
             rollout.execute_all("restart", [urls[i] for i in restart], timeout)
         adapter = actor.execute_all("lora_adapter")[0]
         name, previous = ADAPTER_NAME.format(version=version), client.lora_path
+        survivors = [i for i in range(len(urls)) if i not in restart]
         if is_driver:
             config, tensors = adapter
             payload = flatten_bucket(list(tensors.items()))
@@ -223,8 +226,8 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
             async def push(engines: SGLangClient) -> None:
                 await engines.load_lora_adapter_from_tensors(
                     name, config, serialize(payload), load_format=FLATTENED_BUCKET)
-                if previous is not None and not restart:
-                    await engines.unload_lora_adapter(previous)
+                if previous is not None and survivors:
+                    await engines.unload_lora_adapter(previous, engines=survivors)
                 # the base weights stay, so no update stamps the version the samples carry
                 await engines.update_weight_version(str(version))
 

@@ -7,8 +7,10 @@ or from tensors; unknown, duplicate and in-use names are refused with the reason
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -52,13 +54,13 @@ def adapter(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def servers(adapter, tmp_path_factory):
     logs = tmp_path_factory.mktemp("lora_logs")
-    lora = launch_local_engines(str(adapter["base"]), 1, num_threads=1, log_dir=logs,
-                                extra_args=["--enable-lora"], ready_timeout_s=120)[0]
+    lora, second = launch_local_engines(str(adapter["base"]), 2, num_threads=1, log_dir=logs,
+                                        extra_args=["--enable-lora"], ready_timeout_s=120)
     merged = launch_local_engines(str(adapter["merged"]), 1, num_threads=1, log_dir=logs,
                                   ready_timeout_s=120)[0]
-    yield lora, merged
-    lora.stop()
-    merged.stop()
+    yield lora, merged, second
+    for server in (lora, second, merged):
+        server.stop()
 
 
 def generate(url: str, lora_path=None, prompts=PROMPTS) -> list[dict]:
@@ -83,7 +85,7 @@ def assert_same(got: dict, want: dict) -> None:
 
 
 def test_an_adapter_serves_peft_merge_and_leaves_other_rows_alone(adapter, servers):
-    lora, merged = servers
+    lora, merged, _ = servers
     base_out = generate(lora.url)
     merged_out = generate(merged.url)
     assert [o["output_ids"] for o in base_out] != [o["output_ids"] for o in merged_out]
@@ -115,7 +117,7 @@ def test_an_adapter_serves_peft_merge_and_leaves_other_rows_alone(adapter, serve
 
 
 def test_names_and_tensors_that_do_not_fit_are_refused(adapter, servers):
-    lora, _ = servers
+    lora, _, _ = servers
     missing = post(lora.url, "/generate", {"input_ids": [1, 2], "lora_path": "nope"})
     assert missing.status_code == 400 and "not a loaded LoRA adapter" in missing.text
     path = str(adapter["adapter"])
@@ -144,3 +146,49 @@ def test_a_server_without_enable_lora_says_so(server):
     assert load.status_code == 400 and "--enable-lora" in load.json()["error_message"]
     gen = post(server.url, "/generate", {"input_ids": [1, 2], "lora_path": "a"})
     assert gen.status_code == 400 and "--enable-lora" in gen.text
+
+
+def test_the_adapter_sync_leaves_one_adapter_on_every_engine_across_a_restart(adapter, servers):
+    """The trainer's per-step adapter sync (``actor.lora.sync: adapter``) on two engines: after
+    each sync every engine serves the new version only, also when one engine was restarted in
+    that sync (it never had the previous version; the engine that kept running must drop it).
+    The actor is a stand-in that hands over the PEFT adapter, as rank 0's ``lora_adapter``
+    does."""
+    from megarl.config import load_config
+    from megarl.demo import DEMO_CONFIG
+    from megarl.rollout.sglang.client import SGLangClient
+    from megarl.trainer.workers import _adapter_sync, _LocalServers
+
+    lora, merged, second = servers
+    config = json.loads((adapter["adapter"] / "adapter_config.json").read_text())
+    tensors = load_file(str(adapter["adapter"] / "adapter_model.safetensors"))
+    actor = SimpleNamespace(execute_all=lambda method: [(config, tensors)])
+    cfg, _ = load_config(str(DEMO_CONFIG), [f"model.path={adapter['base']}"])
+    urls = [lora.url, second.url]
+    client = SGLangClient(urls)
+    sync = _adapter_sync(cfg, actor, _LocalServers([lora, second]), client, urls, True)
+    merged_out = generate(merged.url)
+
+    def loaded(url: str) -> set[str]:
+        # the embedded engine answers an unknown name with the names it holds
+        answer = post(url, "/unload_lora_adapter", {"lora_name": "?"})
+        assert answer.status_code == 400, answer.text
+        return set(re.findall(r"policy-v\d+", answer.json()["error_message"]))
+
+    try:
+        sync("1")
+        assert client.lora_path == "policy-v1"
+        assert loaded(lora.url) == loaded(second.url) == {"policy-v1"}
+        sync("2")
+        assert loaded(lora.url) == loaded(second.url) == {"policy-v2"}
+        second.process.kill()  # the engine dies between steps; the next sync restarts it
+        second.process.wait(timeout=30)
+        sync("3", restart=[1])
+        assert loaded(lora.url) == loaded(second.url) == {"policy-v3"}
+        for url in urls:
+            for got, want in zip(generate(url, "policy-v3"), merged_out):
+                assert_same(got, want)
+    finally:
+        for url in urls:
+            for name in loaded(url):
+                post(url, "/unload_lora_adapter", {"lora_name": name})

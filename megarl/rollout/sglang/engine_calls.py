@@ -160,15 +160,20 @@ class EngineCalls(RolloutEngine):
                 "serialized_tensors": serialized_tensors, "load_format": load_format}
         await self._each_lora("/load_lora_adapter_from_tensors", body)
 
-    async def unload_lora_adapter(self, lora_name: str) -> None:
-        """Every engine drops adapter ``lora_name``."""
-        await self._each_lora("/unload_lora_adapter", {"lora_name": lora_name})
+    async def unload_lora_adapter(self, lora_name: str, *,
+                                  engines: Sequence[int] | None = None) -> None:
+        """Every engine (or ``engines``: e.g. all but a restarted one, which never had it)
+        drops adapter ``lora_name``."""
+        await self._each_lora("/unload_lora_adapter", {"lora_name": lora_name}, engines)
 
-    async def _each_lora(self, path: str, body: dict[str, Any]) -> None:
-        """POST a LoRA endpoint (SGLang's ``LoRAUpdateOutput`` answer) on every engine."""
+    async def _each_lora(self, path: str, body: dict[str, Any],
+                         engines: Sequence[int] | None = None) -> None:
+        """POST a LoRA endpoint (SGLang's ``LoRAUpdateOutput`` answer) on every engine (or
+        ``engines``)."""
+        urls = [self.urls[i] for i in self._targets(engines)]
         responses = await asyncio.gather(*(self._request("POST", url + path, body, retry=False)
-                                           for url in self.urls))
-        for url, response in zip(self.urls, responses):
+                                           for url in urls))
+        for url, response in zip(urls, responses):
             data = json_object(response)
             if response.status_code >= 400 or not data.get("success", True):
                 reason = data.get("error_message") or error_message(response)
