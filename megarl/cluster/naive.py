@@ -26,7 +26,7 @@ import pickle
 import signal
 import socket
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -127,8 +127,10 @@ class NaiveCall:
         self._outcome = outcome
         self._seq = group._next_seq()
 
-    def get(self, timeout_s: float | None = None, phase: str | None = None) -> list[Any]:
-        """Every rank's result, by rank (``timeout_s`` defaults to the group's)."""
+    def get(self, timeout_s: float | None = None, phase: str | None = None,
+            abort: Callable[[], BaseException | None] | None = None) -> list[Any]:
+        """Every rank's result, by rank (``timeout_s`` defaults to the group's). The local
+        rank's call has run already, so ``abort`` (RayWorkerGroup's) has nothing to cut short."""
         timeout_s = self.group.call_timeout_s if timeout_s is None else timeout_s
         return self.group._exchange(self._seq, phase or self.method, self._outcome, timeout_s)
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Self
@@ -78,13 +78,16 @@ class GroupCall:
         self.refs = refs
         """One Ray object ref per rank, in rank order."""
 
-    def get(self, timeout_s: float | None = None, phase: str | None = None) -> list[Any]:
+    def get(self, timeout_s: float | None = None, phase: str | None = None,
+            abort: Callable[[], BaseException | None] | None = None) -> list[Any]:
         """Wait for every rank (``timeout_s`` defaults to the group's ``call_timeout_s``).
 
-        ``phase`` names the step in error messages (default: the method name).
+        ``phase`` names the step in error messages (default: the method name). ``abort`` is
+        asked at every poll; an error it returns is raised at once (what the ranks wait for
+        will not come: e.g. an engine refused the bucket the ranks are broadcasting).
         """
         timeout_s = self.group.call_timeout_s if timeout_s is None else timeout_s
-        return self.group.wait(self.refs, phase or self.method, timeout_s)
+        return self.group.wait(self.refs, phase or self.method, timeout_s, abort)
 
 
 class RayWorkerGroup:
@@ -256,8 +259,10 @@ class RayWorkerGroup:
             raise TypeError(f"{self.role}: worker class {self.worker_name} has no "
                                  f"method {method!r}")
 
-    def wait(self, refs: list[Any], phase: str, timeout_s: float | None) -> list[Any]:
-        """Results of one ref per rank; raise at the first failure, death or the timeout."""
+    def wait(self, refs: list[Any], phase: str, timeout_s: float | None,
+             abort: Callable[[], BaseException | None] | None = None) -> list[Any]:
+        """Results of one ref per rank; raise at the first failure, death or the timeout, or
+        the error ``abort`` returns (asked at every poll)."""
         import ray
 
         index = {ref: i for i, ref in enumerate(refs)}
@@ -268,6 +273,9 @@ class RayWorkerGroup:
         start = time.monotonic()
         first_failure = None
         while pending:
+            reason = abort() if abort is not None else None
+            if reason is not None:
+                raise reason
             now = time.monotonic()
             if first_failure is not None and now - first_failure >= _FAILURE_GRACE_S:
                 break

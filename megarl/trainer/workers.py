@@ -185,6 +185,11 @@ class _DriverHttp:
         except BaseException as err:  # noqa: BLE001 - re-raised on the calling thread
             self.error = err
 
+    def failure(self) -> BaseException | None:
+        """The calls' error once they ended with one (None while they run or when they
+        succeeded)."""
+        return None if self.thread.is_alive() else self.error
+
     def join(self, timeout_s: float, phase: str) -> None:
         """Wait for the calls; re-raise their error."""
         self.thread.join(timeout_s)
@@ -313,7 +318,10 @@ def _broadcast_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], i
                     load_format=FLATTENED_BUCKET)
 
         receiving = _DriverHttp(urls, receive if is_driver else None, cfg.rollout.api_key, gpus)
-        sent = actor.execute_all("broadcast_weights", plan)[0]
+        # an engine that refuses a bucket never joins its broadcast: say why at once, instead
+        # of after trainer.phase_timeout_s of train ranks waiting in the collective
+        sent = actor.execute_all_async("broadcast_weights", plan).get(
+            phase="sync_weights", abort=receiving.failure)[0]
         receiving.join(timeout, "sync_weights")
         return {"checkpoint_engine/bytes": float(sent)}
 

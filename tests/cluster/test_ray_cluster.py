@@ -215,6 +215,29 @@ def test_hanging_call_times_out_naming_rank_and_phase(groups, tmp_path):
     assert train.execute_all("echo", 1) == [(0, (1,), {}), (1, (1,), {})]  # once released
 
 
+def test_a_wait_ends_with_the_error_of_what_the_ranks_wait_for(groups, tmp_path):
+    """``get(abort=...)``: while rank 1 waits for something that will not come (a broadcast an
+    engine refused to join), the driver learns why at the first poll after the refusal, not
+    at the call's timeout; the ranks are not waited for."""
+    train, _ = groups
+    release = tmp_path / "release"
+    polls: list[float] = []
+    refused = RuntimeError("POST http://engine/update_weights_from_distributed failed: no")
+
+    def abort() -> BaseException | None:
+        polls.append(time.monotonic())
+        return refused if len(polls) >= 3 else None
+
+    try:
+        with pytest.raises(RuntimeError) as info:
+            train.execute_all_async("stuck_on", 1, str(release)).get(
+                timeout_s=60, phase="sync_weights", abort=abort)
+    finally:
+        release.touch()
+    assert info.value is refused and len(polls) == 3  # raised at the refusal, not at 60 s
+    assert train.execute_all("echo", 2) == [(0, (2,), {}), (1, (2,), {})]  # once released
+
+
 def test_dead_worker_is_reported_with_log_tail(ray_runtime, tmp_path):
     from cluster_workers import EchoWorker
 
