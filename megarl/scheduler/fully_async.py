@@ -42,7 +42,12 @@ from megarl.scheduler.base import IdleWindow, Scheduler
 from megarl.scheduler.dynamic_sampling import zero_variance
 from megarl.scheduler.queue import SampleGroup, SampleQueue
 from megarl.scheduler.rollouter import PromptJob, Rollouter, StalenessBudget
-from megarl.scheduler.staleness import staleness, staleness_metrics, within_bound
+from megarl.scheduler.staleness import (
+    newest_version,
+    staleness,
+    staleness_metrics,
+    within_bound,
+)
 
 if TYPE_CHECKING:
     from megarl.scheduler.driver import StepDriver
@@ -152,6 +157,7 @@ class FullyAsync(Scheduler):
         kept: list[tuple[SampleGroup, torch.Tensor | None]] = []
         dropped = filtered = examined = 0
         taken_all: list[SampleGroup] = []
+        last_kept = time.monotonic()
         while len(kept) < need:
             taken = self.queue.take(need - len(kept), self.timeout_s)
             taken_all += taken
@@ -159,6 +165,10 @@ class FullyAsync(Scheduler):
             version = trainer.weight_version
             fresh = [g for g in taken if within_bound(g.samples, version, self.max_lag)]
             dropped += len(taken) - len(fresh)
+            if fresh:
+                last_kept = time.monotonic()
+            elif time.monotonic() - last_kept > self.timeout_s:
+                raise TimeoutError(self._all_stale(taken, dropped, version))
             scored: list[tuple[SampleGroup, torch.Tensor | None]] = [(g, None) for g in fresh]
             if filtering.enable and fresh:
                 scored = [(g, s) for g, s in self._score(fresh, metrics)
@@ -185,6 +195,17 @@ class FullyAsync(Scheduler):
                         "critic/score/max": float(scores.max()),
                         "critic/score/min": float(scores.min())})
         return groups, scores
+
+    def _all_stale(self, taken: list[SampleGroup], dropped: int, version: int) -> str:
+        """Why the trainer has kept no group for ``trainer.phase_timeout_s``: every group came
+        back older than the staleness bound (engines generating under old weights)."""
+        seen = sorted({newest_version(s) for g in taken for s in g.samples})
+        return (f"fully_async: for {self.timeout_s:.0f} s (trainer.phase_timeout_s) every sample "
+                f"group was older than the staleness bound ({dropped} dropped this step): the "
+                f"trainer is at weight version {version}, the groups' newest tokens at "
+                f"{seen}, and scheduler.staleness_threshold={self.cfg.staleness_threshold} "
+                f"allows {self.max_lag}. The engines do not report the synced version: check "
+                "that the weight sync reaches them (rollout engine logs)")
 
     def _score(self, groups: list[SampleGroup],
                metrics: dict[str, float]) -> list[tuple[SampleGroup, torch.Tensor]]:

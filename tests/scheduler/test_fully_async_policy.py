@@ -132,3 +132,47 @@ def test_long_partial_rollouts_spanning_pushes_are_trained_not_dropped():
                         if len(samples[i].response_ids) == LONG]
     assert len(groups_with_long) == len(long)
     assert all(len(g[1].response_ids) == SHORT for g in groups_with_long)
+
+
+def test_a_sync_that_does_not_reach_the_engines_stops_the_trainer_with_the_versions():
+    """Weight syncs that leave the engines reporting the old version (the adapter sync once
+    did) make every group stale: the trainer dropped them and waited again, forever, each
+    wait well inside its timeout. Once no group was kept for ``trainer.phase_timeout_s`` it
+    stops with the versions on both sides."""
+    import threading
+
+    import pytest
+
+    engine = ScriptedEngine()
+    trainer = fake_trainer(engine)
+    trainer.cfg.trainer.phase_timeout_s = 2.0
+    trainer.loader.next_batch = lambda: [{"input_ids": [SHORT]}] * GROUPS  # all answered at once
+
+    def sync_not_reaching_the_engines() -> dict[str, float]:
+        trainer.weight_version += 1  # the engines keep reporting "0"
+        return {}
+
+    trainer.sync_weights = sync_not_reaching_the_engines
+    scheduler = FullyAsync(trainer, SchedulerConfig(
+        mode="fully_async", staleness_threshold=0, trigger_parameter_sync_step=1,
+        partial_rollout=False), make_client=lambda: engine)
+    outcome: list[BaseException | dict] = []
+
+    def run() -> None:
+        try:
+            outcome.append(scheduler.step())  # version 0 groups, then a sync to version 1
+            outcome.append(scheduler.step())  # only version 0 groups come
+        except BaseException as err:  # noqa: BLE001 - checked below
+            outcome.append(err)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    try:
+        assert not thread.is_alive(), "the trainer still waits for a fresh group"
+    finally:
+        scheduler.close()
+    assert isinstance(outcome[0], dict) and len(outcome) == 2
+    with pytest.raises(TimeoutError, match=r"trainer is at weight version 1, the groups' "
+                       r"newest tokens at \[0\].*staleness_threshold=0(\.0)? allows 0"):
+        raise outcome[1]
