@@ -371,7 +371,9 @@ class TrainerConfig(Section):
         "validate every N steps (greedy, one sample per prompt of data.val_files); 0 = never"))
     phase_timeout_s: float = Field(3600.0, gt=0, description=(
         "time limit of each collective phase (generate, log-prob, update, weight sync); on "
-        "timeout the run stops naming the phase and the ranks that did not finish"))
+        "timeout the run stops naming the phase and the ranks that did not finish. A weight "
+        "sync also stops at once when an engine refuses a bucket; fully_async stops when no "
+        "sample group within the staleness bound arrived for this long"))
     seed: int = Field(1, description="seed of model init, sampling and dropout")
     max_nonfinite_updates: int = Field(3, ge=0, description=(
         "stop the run after this many actor updates in a row were skipped for a non-finite "
