@@ -145,7 +145,7 @@ def test_a_sync_that_does_not_reach_the_engines_stops_the_trainer_with_the_versi
 
     engine = ScriptedEngine()
     trainer = fake_trainer(engine)
-    trainer.cfg.trainer.phase_timeout_s = 2.0
+    trainer.cfg.trainer.phase_timeout_s = 4.0  # step 1 takes ~0.1 s
     trainer.loader.next_batch = lambda: [{"input_ids": [SHORT]}] * GROUPS  # all answered at once
 
     def sync_not_reaching_the_engines() -> dict[str, float]:
