@@ -595,14 +595,26 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
 
 def write_json(args: argparse.Namespace, floors: dict[str, float],
-               results: dict[str, dict[str, Any]]) -> None:
-    """``<out>/e2e_step.json``: the settings, the floors and each shape's results so far."""
+               results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``<out>/e2e_step.json``: the settings, the floors and each shape's results so far, updated
+    in place: the shapes of an earlier run into the same ``--out`` (one shape per command on a
+    device whose call limit fits one) stay, each with the settings and floors it ran under
+    (``by_shape``); a shape run again replaces its entry. Returns every shape's results."""
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     path = args.out / "e2e_step.json"
+    earlier = json.loads(path.read_text()) if path.exists() else {}
+    merged = {k: v for k, v in earlier.get("results", {}).items() if k not in results}
+    by_shape = {k: v for k, v in earlier.get("by_shape", {}).items() if k in merged}
+    for shape in merged:  # a file of an earlier version: its top-level settings were the shape's
+        by_shape.setdefault(shape, {"settings": earlier.get("settings"),
+                                    "floors": earlier.get("floors")})
+    merged.update(results)
+    by_shape.update({shape: {"settings": settings, "floors": floors} for shape in results})
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"settings": settings, "floors": floors, "results": results},
-                              indent=2))
+    tmp.write_text(json.dumps({"settings": settings, "floors": floors, "results": merged,
+                               "by_shape": by_shape}, indent=2))
     tmp.replace(path)
+    return merged
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -684,11 +696,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({shape: results[shape]}, indent=1), flush=True)
         if "error" in results[shape]:
             print(f"error: {shape}: {results[shape]['error']}", file=sys.stderr, flush=True)
-    write_json(args, floors, results)
+    every = write_json(args, floors, results)
     title = (f"{args.prompts} prompts x {args.n}, prompts {args.prompt_len[0]}-"
              f"{args.prompt_len[1]} tokens, responses log-normal(median {args.median:.0f}, sigma "
              f"{args.sigma}) <= {args.max_response}, {args.device}")
-    ran = {shape: r for shape, r in results.items() if "step_s" in r}
+    ran = {shape: r for shape, r in every.items() if "step_s" in r}
     if ran:
         plot(ran, args.out / "e2e_step.png", title)
     print(f"{'shape':<6}{'step s':>8}{'tok/s':>10}{'gen/floor':>10}{'oldlp MFU':>10}"

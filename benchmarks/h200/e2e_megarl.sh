@@ -16,8 +16,11 @@ cp /tmp/e2e/e2e_step.png $OUT/e2e_step_$shape.png 2>/dev/null
 cp /tmp/e2e/$shape/megarl/metrics.jsonl $OUT/metrics_$shape.jsonl 2>/dev/null
 # megarl's steps, for TRL's side as a later call (call_trl.sh reads benchmarks/h200/steps_SHAPE.jsonl)
 cp /tmp/e2e/$shape/megarl/steps.jsonl $OUT/steps_$shape.jsonl 2>/dev/null
-# the workers' and engines' logs (their last 400 lines each)
-for f in /tmp/e2e/$shape/megarl/logs/*.log; do [ -f "$f" ] && tail -400 "$f" > $OUT/$(basename "$f"); done
+# the workers' and engines' logs (their last 400 lines each), one file: a call returns 8 at most
+mkdir -p /tmp/e2e_logs_$shape
+for f in /tmp/e2e/$shape/megarl/logs/*.log; do
+  [ -f "$f" ] && tail -400 "$f" > /tmp/e2e_logs_$shape/$(basename "$f"); done
+tar czf $OUT/logs_$shape.tgz -C /tmp e2e_logs_$shape 2>/dev/null
 kill $monitor 2>/dev/null
 nvidia-smi --query-gpu=memory.used --format=csv
 exit $rc

@@ -155,3 +155,25 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
     assert "timing/release_rollout" in both["phases_not_run"]
     assert report["floors"]["matmul_flops"] > 0 and report["floors"]["copy_bytes_per_s"] > 0
     assert (tmp_path / "e2e_step.png").stat().st_size > 10_000
+
+
+def test_the_json_keeps_the_shapes_of_earlier_runs_into_the_same_out(tmp_path):
+    """One shape per command (the device's call limit): the second run's JSON holds both shapes,
+    each with the settings it ran under; a shape run again replaces its own entry only."""
+    bench = load("e2e_step")
+    moe_args = bench.parse(["--shape", "moe", "--out", str(tmp_path), "--moe-layers", "8"])
+    every = bench.write_json(moe_args, {"matmul_flops": 1.0}, {"moe": {"step_s": 70.0}})
+    assert every == {"moe": {"step_s": 70.0}}
+    dense_args = bench.parse(["--shape", "dense", "--out", str(tmp_path), "--prompts", "32"])
+    every = bench.write_json(dense_args, {"matmul_flops": 2.0}, {"dense": {"step_s": 88.0}})
+    assert every == {"moe": {"step_s": 70.0}, "dense": {"step_s": 88.0}}
+    report = json.loads((tmp_path / "e2e_step.json").read_text())
+    assert report["results"] == every
+    assert report["by_shape"]["moe"]["settings"]["shape"] == "moe"
+    assert report["by_shape"]["moe"]["floors"] == {"matmul_flops": 1.0}
+    assert report["by_shape"]["dense"]["settings"]["prompts"] == 32
+    bench.write_json(moe_args, {"matmul_flops": 3.0}, {"moe": {"step_s": 71.0}})
+    report = json.loads((tmp_path / "e2e_step.json").read_text())
+    assert report["results"] == {"moe": {"step_s": 71.0}, "dense": {"step_s": 88.0}}
+    assert report["by_shape"]["moe"]["floors"] == {"matmul_flops": 3.0}
+    assert report["by_shape"]["dense"]["floors"] == {"matmul_flops": 2.0}
