@@ -48,7 +48,8 @@ def hf_leaf_modules(targets: Sequence[str] | None) -> tuple[str, ...]:
     (None: :data:`DEFAULT_TARGETS`): what SGLang's ``--lora-target-modules`` lists."""
     names: list[str] = []
     for target in targets if targets is not None else DEFAULT_TARGETS:
-        for module in HF_MODULES[target.removeprefix("shared_experts.")]:
+        # a routed expert's projections have the dense MLP's names (SGLang: experts.{e}.gate_proj)
+        for module in HF_MODULES[target.removeprefix("shared_experts.").removeprefix("experts.")]:
             leaf = module.rsplit(".", 1)[-1]
             if leaf not in names:
                 names.append(leaf)

@@ -39,10 +39,4 @@ NOT_BUILT: tuple[NotBuilt, ...] = (
      and c.algorithm.rollout_correction.bypass_mode,
      ("R2 records routes in the old-log-prob forward, which bypass_mode skips; use "
       "actor.router_replay.mode=R3 or algorithm.rollout_correction.bypass_mode=false")),
-    ("actor.lora.target_modules", lambda c: c.actor.lora.rank > 0
-     and c.actor.lora.sync == "adapter" and any(
-        t.startswith("experts.") for t in c.actor.lora.target_modules or ()),
-     ("the adapter sync of routed-expert adapters is not built (neither the embedded engine "
-      "nor megarl's SGLang client loads per-expert adapters yet); set actor.lora.sync=merged, "
-      "or remove experts.linear_fc1/experts.linear_fc2 from actor.lora.target_modules")),
 )

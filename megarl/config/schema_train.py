@@ -152,13 +152,13 @@ class LoraConfig(Section):
         "*.linear_proj; each must match a targeted layer"))
     sync: Literal["merged", "adapter"] = Field("merged", description=(
         "what the weight sync sends: merged = W + alpha/r * B A under the HF names (any engine); "
-        "adapter = only the adapters, in PEFT's names, through SGLang's "
-        "/load_lora_adapter_from_tensors (a new name per version, the previous one unloaded; "
-        "every request names it with lora_path); the engines keep model.path as the base, so "
-        "model.mcore_checkpoint is refused. Engines start with --enable-lora (SGLang also "
-        "with --max-lora-rank and --lora-target-modules). Every scheduler syncs between "
-        "generations, so no request in flight uses the adapter unloaded; routed-expert "
-        "adapters sync merged only"))
+        "adapter = only the adapters, in PEFT's names (the routed experts' one per expert, "
+        "experts.{e}.gate_proj/up_proj/down_proj, as SGLang loads MoE adapters), through "
+        "SGLang's /load_lora_adapter_from_tensors (a new name per version, the previous one "
+        "unloaded; every request names it with lora_path); the engines keep model.path as the "
+        "base, so model.mcore_checkpoint is refused. Engines start with --enable-lora (SGLang "
+        "also with --max-lora-rank and --lora-target-modules). Every scheduler syncs between "
+        "generations, so no request in flight uses the adapter unloaded"))
 
 
 class ActorConfig(Section):

@@ -208,12 +208,14 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
                   urls: list[str], is_driver: bool) -> Callable[..., dict[str, float]]:
     """The per-step sync of ``actor.lora.sync: adapter``: rank 0's adapters in PEFT's format
     go to every engine as adapter ``policy-v<version>`` (SGLang's
-    ``/load_lora_adapter_from_tensors``, one flattened bucket inline), every later request
+    ``/load_lora_adapter_from_tensors``, one flattened bucket inline; routed experts' adapters
+    one per expert, as SGLang loads MoE adapters), every later request
     names it, and the previous version is unloaded; the engines' ``weight_version`` (which
     every sample carries, for staleness) is set to ``version``. A restarted engine has none
     loaded: it gets the new one like the others, and the previous one is unloaded from the
     engines that kept running (each restart would otherwise leave one adapter behind on them,
     until SGLang's ``--max-loaded-loras`` refuses the next load)."""
+    from megarl.weights.expert_adapters import per_expert_adapter
     from megarl.weights.flattened import flatten_bucket, serialize
 
     timeout = cfg.trainer.phase_timeout_s
@@ -224,8 +226,9 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
         adapter = actor.execute_all("lora_adapter")[0]
         name, previous = ADAPTER_NAME.format(version=version), client.lora_path
         survivors = [i for i in range(len(urls)) if i not in restart]
+        # routed experts' adapters under SGLang's per-expert names
+        config, tensors = per_expert_adapter(*adapter) if adapter else ({}, {})
         if is_driver:
-            config, tensors = adapter
             payload = flatten_bucket(list(tensors.items()))
 
             async def push(engines: SGLangClient) -> None:
@@ -239,7 +242,7 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
             _DriverHttp(urls, push, cfg.rollout.api_key,
                         cfg.rollout.gpus_per_engine).join(timeout, "sync_weights (adapter)")
         client.lora_path = name
-        sent = sum(t.numel() * t.element_size() for t in adapter[1].values()) if adapter else 0
+        sent = sum(t.numel() * t.element_size() for t in tensors.values())
         return {"checkpoint_engine/bytes": float(sent)}
 
     return sync

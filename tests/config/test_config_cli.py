@@ -118,8 +118,6 @@ NOT_BUILT_TRIGGERS: dict[str, tuple[str, ...]] = {
     "algorithm.kl_penalty": ("algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=full"),
     "actor.router_replay.mode": ("actor.router_replay.mode=R2",
                                  "algorithm.rollout_correction.bypass_mode=true"),
-    "actor.lora.target_modules": ("actor.lora.rank=8", "actor.lora.sync=adapter",
-                                  "actor.lora.target_modules=[experts.linear_fc1]"),
 }
 
 

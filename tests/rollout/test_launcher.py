@@ -194,6 +194,9 @@ def test_engines_for_the_adapter_sync_start_with_lora_serving(tmp_path):
     assert argv[start:start + 4] == ["q_proj", "k_proj", "v_proj", "down_proj"]
     assert hf_leaf_modules(None) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                      "up_proj", "down_proj")
+    # a routed expert's projections, as SGLang names them (experts.{e}.gate_proj, ...)
+    assert hf_leaf_modules(["linear_proj", "experts.linear_fc2", "experts.linear_fc1"]) == (
+        "o_proj", "down_proj", "gate_proj", "up_proj")
     merged, _ = load_config(demo, ["actor.lora.rank=8", "rollout.backend=sglang"])
     assert "--enable-lora" not in engine_command(engine_spec(merged, tmp_path), rank=0, port=9,
                                                  device="cuda")

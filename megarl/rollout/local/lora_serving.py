@@ -7,7 +7,9 @@ its ``state_dict`` names), and a ``/generate`` request picks one per prompt with
 base weights are never changed: a forward hook on each adapted linear layer adds
 ``scale * B(A x)`` to the rows of its adapter (``scale = lora_alpha / r``, or
 ``lora_alpha / sqrt(r)`` with ``use_rslora``), which is what the merged weight
-``W + scale * B @ A`` computes. The engine sets the rows' adapters before every forward
+``W + scale * B @ A`` computes. Routed experts take SGLang's per-expert adapters
+(``mlp.experts.{e}.gate_proj``...; lora_experts.py): an adapted experts module runs an expert
+loop that adds them. The engine sets the rows' adapters before every forward
 (:meth:`LoraServing.set_rows`).
 """
 
@@ -23,6 +25,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megarl.rollout.local.lora_experts import (
+    EXPERT_KEY,
+    PROJECTIONS,
+    ExpertWeights,
+    expert_weights,
+    experts_forward,
+)
+
 PEFT_PREFIX = "base_model.model."
 """What PEFT puts before a module's name in an adapter's state dict."""
 
@@ -33,12 +43,14 @@ class AdapterError(ValueError):
 
 @dataclass
 class Adapter:
-    """One loaded adapter: per module name, its (A [r, in], B [out, r]) and the scale."""
+    """One loaded adapter: per module name, its (A [r, in], B [out, r]) and the scale; per
+    experts module, its per-expert matrices."""
 
     name: str
     path: str
     scale: float
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    experts: dict[str, ExpertWeights]
 
 
 def _scale(config: Mapping[str, Any], rank: int) -> float:
@@ -69,17 +81,32 @@ class LoraServing:
         self.model = model
         self.adapters: dict[str, Adapter] = {}
         self._hooks: dict[str, Any] = {}
+        self._experts: set[str] = set()  # experts modules running experts_forward
         self._masks: dict[str, torch.Tensor] = {}
         self._rows = 0
 
-    def _module(self, name: str) -> nn.Module:
+    def _submodule(self, name: str) -> nn.Module:
         try:
-            module = self.model.get_submodule(name)
+            return self.model.get_submodule(name)
         except AttributeError:
-            module = None
-        if module is None or not hasattr(module, "in_features"):
+            raise AdapterError(f"{name}: not a module of the served model") from None
+
+    def _module(self, name: str) -> nn.Module:
+        module = self._submodule(name)
+        if not hasattr(module, "in_features"):
             raise AdapterError(f"{name}: not a linear layer of the served model")
         return module
+
+    def _expert_adapters(self, module_name: str):
+        def applied() -> list[tuple[ExpertWeights, float, torch.Tensor]]:
+            out = []
+            for name, mask in self._masks.items():
+                adapter = self.adapters[name]
+                if module_name in adapter.experts:
+                    out.append((adapter.experts[module_name], adapter.scale, mask))
+            return out
+
+        return applied
 
     def load(self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor],
              path: str = "__tensor__") -> None:
@@ -93,13 +120,20 @@ class LoraServing:
         if config.get("use_dora"):
             raise AdapterError(f"{name}: DoRA adapters (use_dora) are not supported")
         pairs: dict[str, dict[str, torch.Tensor]] = {}
+        expert_pairs: dict[str, dict[tuple[int, str], dict[str, torch.Tensor]]] = {}
         for key, tensor in tensors.items():
             module, _, part = key.removeprefix(PEFT_PREFIX).rpartition(".lora_")
             if part not in ("A.weight", "B.weight"):
                 raise AdapterError(f"{name}: tensor {key!r} is not a lora_A / lora_B weight "
                                    "in PEFT's names")
-            pairs.setdefault(module, {})[part[0]] = tensor
-        if not pairs:
+            expert = EXPERT_KEY.match(module)
+            if expert is not None and expert["proj"] in PROJECTIONS:
+                slot = (int(expert["expert"]), PROJECTIONS[expert["proj"]])
+                expert_pairs.setdefault(expert["module"], {}).setdefault(slot, {})[part[0]] = \
+                    tensor
+            else:
+                pairs.setdefault(module, {})[part[0]] = tensor
+        if not pairs and not expert_pairs:
             raise AdapterError(f"{name}: the adapter holds no tensors")
         rank = int(config.get("r", 0))
         device, dtype = self._device_dtype()
@@ -118,12 +152,22 @@ class LoraServing:
                 raise AdapterError(f"{name}: {module_name} has rank {a.shape[0]}, the config "
                                    f"says r={rank}")
             weights[module_name] = (a.to(device, dtype), b.to(device, dtype))
-        rank = rank or next(iter(weights.values()))[0].shape[0]
-        self.adapters[name] = Adapter(name, path, _scale(config, rank), weights)
+        if not rank:
+            rank = (next(iter(weights.values()))[0].shape[0] if weights else
+                    next(iter(next(iter(expert_pairs.values())).values()))["A"].shape[0])
+        experts = {module_name: expert_weights(name, module_name, self._submodule(module_name),
+                                               found, rank, device, dtype, AdapterError)
+                   for module_name, found in expert_pairs.items()}
+        self.adapters[name] = Adapter(name, path, _scale(config, rank), weights, experts)
         for module_name in weights:
             if module_name not in self._hooks:
                 self._hooks[module_name] = self._module(module_name).register_forward_hook(
                     self._hook(module_name))
+        for module_name in experts:
+            if module_name not in self._experts:
+                module = self._submodule(module_name)
+                module.forward = experts_forward(module, self._expert_adapters(module_name))
+                self._experts.add(module_name)
 
     def unload(self, name: str) -> None:
         """Remove adapter ``name`` and the hooks no other adapter needs."""
@@ -133,6 +177,10 @@ class LoraServing:
         needed = {m for a in self.adapters.values() for m in a.weights}
         for module_name in [m for m in self._hooks if m not in needed]:
             self._hooks.pop(module_name).remove()
+        needed = {m for a in self.adapters.values() for m in a.experts}
+        for module_name in [m for m in self._experts if m not in needed]:
+            del self._submodule(module_name).forward  # the class's own forward again
+            self._experts.discard(module_name)
         self._masks.pop(name, None)
 
     def check(self, names: Sequence[str | None]) -> None:
