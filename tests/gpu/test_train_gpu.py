@@ -4,7 +4,8 @@ The real trainer (Ray pools, a Megatron actor rank, an embedded engine sharing t
 GPU demo's config on a small random Qwen3-MoE in bf16. After every weight sync every tensor the
 engine holds equals the actor's export bit for bit; the engine's log-probs stay close to the
 trainer's; the engine gave its memory back while the actor trained. With R3 the router agreement
-is reported with and without replay, and replay raises it to (almost) 1.
+is reported with and without replay, and replay raises it to (almost) 1. With LoRA and the
+adapter sync the engine gets only the adapters and scores as the trainer does.
 """
 
 from __future__ import annotations
@@ -105,3 +106,34 @@ def test_r3_router_replay_on_one_gpu(assets, tmp_path):
         native = metrics["rollout/moe/router_agreement_no_replay"]
         print(f"router agreement: replayed {replayed:.4f}, native {native:.4f}")
         assert replayed > 0.99 and replayed >= native
+
+
+def test_lora_adapter_sync_on_one_gpu(assets, tmp_path):
+    """LoRA on the attention and the routed experts, colocated, ``actor.lora.sync=adapter``:
+    each sync loads only the adapters into the engine (the experts' one per expert, in SGLang's
+    names), the engine's base stays the model's, and it scores the samples as the trainer does."""
+    from safetensors.torch import load_file
+
+    trainer = make_trainer(assets, tmp_path / "lora", "trainer.total_steps=3",
+                           "actor.lora.rank=8", "actor.lora.alpha=16", "actor.lora.sync=adapter",
+                           ("actor.lora.target_modules=[linear_qkv,linear_proj,"
+                            "experts.linear_fc1,experts.linear_fc2]"))
+    try:
+        trainer.setup()
+        history = trainer.fit()
+        name = "model.layers.0.mlp.experts.0.gate_proj.weight"
+        held = engine_state(trainer, [name])[name]
+        lora_path = trainer.workers.client.lora_path
+    finally:
+        trainer.close()
+    start = load_file(assets / "model" / "model.safetensors")
+    assert lora_path == "policy-v3"
+    assert torch.equal(held.reshape(-1), start[name].float().reshape(-1))  # the base is unmerged
+    weights = sum(t.numel() * t.element_size() for t in start.values())
+    for step, metrics in enumerate(history, start=1):
+        assert metrics["rollout/weight_version"] == step
+        assert 0 < metrics["checkpoint_engine/bytes"] < 0.2 * weights
+        assert metrics["training/rollout_probs_diff_mean"] < PROBS_DIFF_BOUND, metrics
+    assert history[2]["actor/pg_loss"] != history[1]["actor/pg_loss"]
+    print({k: round(v, 5) for k, v in history[-1].items()
+           if k.startswith(("timing/", "perf/", "training/", "checkpoint_engine/"))})
