@@ -8,7 +8,8 @@ against the model's architecture, and the derived batch/layout sizes.
 """
 
 from megarl.config.derived import DerivedSizes, RoleLayout, derive_sizes
-from megarl.config.estimates import Estimates, estimate, format_estimates
+from megarl.config.estimates import Estimates, estimate
+from megarl.config.estimates_report import format_estimates
 from megarl.config.loader import ConfigError, load_config, load_config_dict
 from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info
 from megarl.config.problems import Problem

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megarl.config.estimates import format_estimates
+from megarl.config.estimates_report import format_estimates
 from megarl.config.host_estimates import host_rows
 from megarl.config.loader import ConfigError, load_config
 from megarl.config.render import render_report

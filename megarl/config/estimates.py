@@ -43,6 +43,10 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   state to host memory while a role is idle (what a node then holds there:
   :mod:`megarl.config.host_estimates`), so it lowers the weight sync and the colocated
   rollout, not the update itself. Colocated engines release their memory during the update.
+* Log-prob forwards (old log-probs, reference): what the actor keeps while idle, its weights
+  always, the idle roles, the activations of the largest layer for the forward's tokens
+  (``*.log_prob_max_token_len_per_gpu``, else the update's budget) and on the last stage one
+  chunk of logits with the gathered hidden states (no gradients).
 * Weight sync: what the actor keeps while idle, its weights always (the sync reads them; param
   offload starts after it) + one bucket (+ the engine's weights, colocated).
 * Rollout GPU: engine weights = params x bytes(rollout.dtype) / gpus_per_engine (with
@@ -55,7 +59,6 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from megarl.config.derived import DerivedSizes, RoleLayout, is_whole
@@ -66,7 +69,6 @@ from megarl.config.lora_layers import (
     resolve_targets,
 )
 from megarl.config.model_info import DTYPE_BYTES, ModelInfo
-from megarl.config.problems import Context, Problem, warning
 from megarl.config.schema import OffloadConfig, ParallelConfig, RunConfig
 from megarl.config.schema_train import RecomputeConfig
 
@@ -134,6 +136,24 @@ class UpdateMemory:
 
 
 @dataclass(frozen=True)
+class LogProbMemory:
+    """One actor GPU during the log-prob forwards (the old log-probs, the reference's): nothing
+    is kept for a backward, so a layer's activations live only while it runs."""
+
+    resident: int
+    """What the actor holds: its idle state plus its weights (as during the weight sync)."""
+    activations: int
+    log_probs: int
+    other_roles: int
+    tokens_per_micro_batch: int
+
+    @property
+    def total(self) -> int:
+        """Everything the GPU holds at the peak of a log-prob forward."""
+        return self.resident + self.activations + self.log_probs + self.other_roles
+
+
+@dataclass(frozen=True)
 class EngineMemory:
     """One GPU of a rollout engine; the pool numbers need ``resources.gpu_memory_gb``."""
 
@@ -173,6 +193,7 @@ class Estimates:
     """What the actor holds during the weight sync: what it keeps idle, plus its weights."""
     bucket: int
     sync: int
+    log_prob: LogProbMemory
     engine: EngineMemory | None
     gpu_memory: int | None
 
@@ -365,6 +386,38 @@ def log_prob_bytes(cfg: RunConfig, model: ModelInfo, tokens: int, vocab: int,
     return chunk * (nbytes + 2 * FP32_BYTES) + weight_grad + hidden
 
 
+def log_prob_tokens(cfg: RunConfig, sizes: DerivedSizes) -> int:
+    """Tokens of one log-prob forward on one GPU: the larger of the actor's and the reference's
+    budget (``*.log_prob_max_token_len_per_gpu``; sequences x the longest one, over cp)."""
+    a, ref = cfg.actor, cfg.ref
+    with_ref = bool(ref.enabled)
+    if a.use_dynamic_bsz:
+        actor = a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
+        return max(actor, (ref.log_prob_max_token_len_per_gpu or actor) if with_ref else 0)
+    micro = sizes.micro_batch_size_per_gpu
+    sequences = max(a.log_prob_micro_batch_size_per_gpu or 0,
+                    (ref.log_prob_micro_batch_size_per_gpu or 0) if with_ref else 0)
+    sequences = sequences or (micro if is_whole(micro) else 1)
+    return math.ceil(sequences * sizes.max_sequence_length / a.parallel.cp)
+
+
+def log_prob_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: int,
+                    resident: int, other_roles: int) -> LogProbMemory:
+    """The log-prob forward's peak: the largest layer's activations for the forward's tokens,
+    and on the last stage a chunk of logits (:data:`LOG_PROB_CHUNK_ELEMENTS`) with the gathered
+    hidden states (no gradients: module docstring)."""
+    p, nbytes = cfg.actor.parallel, DTYPE_BYTES[cfg.model.dtype]
+    tokens = log_prob_tokens(cfg, sizes)
+    dense = set(model.dense_layers)
+    kinds = {model.is_moe and i not in dense for i in range(model.num_layers)}
+    layer = max(layer_activation_bytes(model, p, moe, nbytes) for moe in kinds)
+    chunk = min(tokens * vocab / p.tp, LOG_PROB_CHUNK_ELEMENTS)
+    return LogProbMemory(resident=resident, activations=math.ceil(layer * tokens),
+                         log_probs=math.ceil(chunk * (nbytes + 2 * FP32_BYTES)
+                                             + tokens * model.hidden_size * nbytes),
+                         other_roles=other_roles, tokens_per_micro_batch=tokens)
+
+
 def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: int,
                   other_roles: int) -> UpdateMemory:
     """The actor GPU of the pipeline stage with the highest peak during the update."""
@@ -417,37 +470,23 @@ def estimate(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes) -> Estimates
         engine.weights if engine is not None and engine.colocated else 0)
     mem = cfg.resources.gpu_memory_gb
     return Estimates(params=ParamCounts.of(model), update=update, actor_resident=actor_resident,
-                     sync_actor=sync_actor, bucket=bucket, sync=sync, engine=engine,
-                     gpu_memory=None if mem is None else int(mem * GB))
+                     sync_actor=sync_actor, bucket=bucket, sync=sync,
+                     log_prob=log_prob_memory(cfg, model, sizes, vocab, sync_actor, other),
+                     engine=engine, gpu_memory=None if mem is None else int(mem * GB))
 
 
 def phase_estimates(est: Estimates) -> dict[str, int]:
     """Bytes one GPU needs at the peak of each phase (the names of :mod:`megarl.memory`), what
     the other roles hold meanwhile included: the colocated engine's weights and KV cache next
     to what the train roles keep while it generates; the engine's weights during the sync;
-    nothing of the engine's during the update, which it released."""
+    nothing of the engine's during the log-prob forwards and the update, which it released."""
     phases = {"gen": est.engine.total} if est.engine is not None else {}
-    return {**phases, "update_actor": est.update.total, "sync_weights": est.sync}
+    return {**phases, "old_log_prob": est.log_prob.total, "update_actor": est.update.total,
+            "sync_weights": est.sync}
 
 
 # ---------------------------------------------------------------------------------------------
-# Display
-
-
-def billions(count: int) -> str:
-    """A parameter count in billions with 3 significant digits (``30.5B``, ``0.596B``)."""
-    text = f"{count / 1e9:.3g}"
-    if "e" in text:  # tiny test models: plain decimals instead of an exponent
-        text = f"{count / 1e9:.9f}".rstrip("0")
-    return f"{text}B"
-
-
-def count(n: int) -> str:
-    """A parameter count with its unit: ``3.62B``, ``385M``, ``41.5K``."""
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale * 0.9995:  # 999.6M shows as 1B, not 1e+03M
-            return f"{n / scale:.3g}{unit}"
-    return str(n)
+# Display (the rest: estimates_report.py)
 
 
 def size(nbytes: float) -> str:
@@ -456,145 +495,3 @@ def size(nbytes: float) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes / 2**10:.1f} KB"
-
-
-def _update_rows(cfg: RunConfig, est: Estimates) -> list[tuple[str, str]]:
-    """Rows of the actor's update and the weight sync."""
-    u, st = est.update, est.update.state
-    others = f" + idle ref/critic {size(u.other_roles)}" if u.other_roles else ""
-    rc = cfg.actor.recompute
-    recompute = rc.granularity + (f" ({rc.method}, {rc.num_layers} layer(s) per unit)"
-                                  if rc.granularity == "full" else "")
-    sync_engine = (f" + engine weights {size(est.engine.weights)}"
-                   if est.engine is not None and est.engine.colocated else "")
-    return [
-        ("actor update", (f"weights {size(st.weights)} + grads {size(st.grads)} + optimizer "
-                          f"{size(st.optimizer)} + activations {size(u.activations)} + logits "
-                          f"{size(u.logits)}{others} = {size(u.total)}")),
-        ("", (f"pipeline stage {u.stage + 1} of {u.pp}: {count(st.dense_params)} non-expert + "
-              f"{count(st.expert_params)} expert params per GPU; {u.tokens_per_micro_batch} "
-              f"tokens per micro-batch x {u.micro_batches_in_flight:g} in flight; recompute "
-              f"{recompute}")),
-        ("weight sync", (f"actor {size(est.sync_actor)}"
-                         + (f" + idle ref/critic {size(u.other_roles)}" if u.other_roles else "")
-                         + f" + bucket {size(est.bucket)}{sync_engine} = {size(est.sync)}")),
-    ]
-
-
-def _engine_rows(e: EngineMemory) -> list[tuple[str, str]]:
-    """Rows of one rollout-engine GPU."""
-    name = f"rollout GPU (engine of {e.gpus_per_engine})"
-    per_seq = f"KV {size(e.kv_bytes_per_sequence)} per full-length sequence"
-    if e.usable is None:
-        return [(name, f"weights {size(e.weights)}; {per_seq}")]
-    in_flight = "" if e.max_num_seqs is None else (
-        f"; max_num_seqs {e.max_num_seqs} need {size(e.max_num_seqs * e.kv_bytes_per_sequence)}")
-    rows = [(name, (f"weights {size(e.weights)} + KV cache {size(e.kv_pool or 0)} = "
-                    f"{size(max(e.usable, e.weights))} (fits {e.sequences_fit} full-length "
-                    f"sequences{in_flight})"))]
-    if e.colocated:
-        rows.append(("", (f"+ {size(e.train_resident)} the train roles keep on the GPU "
-                          f"(colocated) = {size(e.total)}")))
-    return rows
-
-
-def format_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSizes,
-                     extra_rows: Sequence[tuple[str, str]] = ()) -> list[str]:
-    """The estimates as lines: the parameter counts, then one aligned row per phase (and the
-    ``extra_rows``: the host memory of :func:`megarl.config.host_estimates.host_rows`)."""
-    if model is None:
-        return ["n/a: model.path has no readable config.json"]
-    est = estimate(cfg, model, sizes)
-    rows = _update_rows(cfg, est)
-    if est.engine is not None:
-        rows += _engine_rows(est.engine)
-    rows.append(("GPU memory", size(est.gpu_memory) if est.gpu_memory is not None else
-                 "unknown: set resources.gpu_memory_gb to check the phases against it"))
-    rows += extra_rows
-    width = max(len(name) for name, _ in rows)
-    return [f"params/total: {billions(est.params.total)}",
-            f"params/active: {billions(est.params.active)}",
-            *(f"{name:<{width}}  {value}" for name, value in rows)]
-
-
-def startup_estimates(cfg: RunConfig, model: ModelInfo | None, sizes: DerivedSizes,
-                      extra_rows: Sequence[tuple[str, str]] = ()) -> list[str]:
-    """The block ``megarl train`` prints at start: ``config show``'s estimate rows, titled (T1)."""
-    known = cfg.resources.gpu_memory_gb is not None
-    title = ("memory estimate per GPU (formulas in megarl/config/estimates.py)" if known else
-             "memory estimate per GPU (estimate only: resources.gpu_memory_gb is unknown, so "
-             "the phases are not checked against the GPUs)")
-    return [title, *(f"  {line}" for line in format_estimates(cfg, model, sizes, extra_rows))]
-
-
-# ---------------------------------------------------------------------------------------------
-# Validation rule (PITFALLS T1)
-
-
-def _update_fix(cfg: RunConfig, u: UpdateMemory) -> tuple[tuple[str, ...], str]:
-    """The knobs (fields, advice) for the two largest parts of the update's memory."""
-    micro = ("actor.ppo_max_token_len_per_gpu" if cfg.actor.use_dynamic_bsz
-             else "actor.ppo_micro_batch_size_per_gpu")
-    knobs = {
-        "activations": ((micro, "actor.recompute.granularity", "actor.parallel.cp"),
-                        (f"lower {micro}, set actor.recompute.granularity=full or raise "
-                         "actor.parallel.cp")),
-        "state": (("actor.parallel.tp", "actor.parallel.pp", "actor.parallel.ep"),
-                  ("raise actor.parallel.tp / pp (ep for experts) or add GPUs to the train pool "
-                   "(more data-parallel optimizer shards)")),
-        "others": (("ref.offload.param_offload", "critic.offload"),
-                   ("offload the idle reference / critic (ref.offload.param_offload=true, "
-                    "critic.offload.*)")),
-    }
-    parts = {"activations": u.activations + u.logits, "state": u.state.total,
-             "others": u.other_roles}
-    if not cfg.actor.use_distributed_optimizer:
-        knobs["state"] = (("actor.use_distributed_optimizer",),
-                          "set actor.use_distributed_optimizer=true to shard the optimizer over DP")
-    top = sorted((name for name in parts if parts[name]), key=lambda n: -parts[n])[:2]
-    fields = tuple(f for name in top for f in knobs[name][0])
-    return fields, "; or ".join(knobs[name][1] for name in top)
-
-
-def _colocated_fix(cfg: RunConfig, est: Estimates, limit: int) -> str:
-    """Advice for a colocated rollout that does not fit next to the train roles' state."""
-    st, off = est.update.state, cfg.actor.offload
-    steps = [f"actor.offload.{name}_offload=true (frees {size(value)})"
-             for name, value, on in (("optimizer", st.optimizer, off.optimizer_offload),
-                                     ("grad", st.grads, off.grad_offload)) if not on and value]
-    fraction = math.floor((limit - est.engine.train_resident) / limit * 20) / 20 if (
-        est.engine is not None) else 0.0
-    lower = (f"lower rollout.gpu_memory_utilization to {fraction:.2f}" if fraction > 0 else
-             "use a separate rollout pool")
-    return "set " + " and ".join(steps) + f", or {lower}" if steps else lower
-
-
-def check_memory_fits(ctx: Context) -> Iterator[Problem]:
-    """Warn when a phase needs more memory than one GPU has (T1), naming the knobs."""
-    cfg, model = ctx.cfg, ctx.model
-    if model is None or cfg.resources.gpu_memory_gb is None:
-        return
-    est, limit, mem = estimate(cfg, model, ctx.sizes), int(cfg.resources.gpu_memory_gb * GB), (
-        cfg.resources.gpu_memory_gb)
-    u = est.update
-    if u.total > limit:
-        fields, fix = _update_fix(cfg, u)
-        yield warning(("resources.gpu_memory_gb", *fields), (
-            f"an actor GPU (pipeline stage {u.stage + 1} of {u.pp}) needs ~{size(u.total)} in "
-            f"the update (weights {size(u.state.weights)}, grads {size(u.state.grads)}, "
-            f"optimizer {size(u.state.optimizer)}, activations {size(u.activations)}, logits "
-            f"{size(u.logits)}) but a GPU has {mem} GB"), fix)
-    if est.sync > limit:
-        yield warning(("resources.gpu_memory_gb", "checkpoint_engine.bucket_size_mb",
-                       "actor.offload"), (
-            f"the weight sync needs ~{size(est.sync)} on an actor GPU (incl. a bucket of "
-            f"{size(est.bucket)}) but a GPU has {mem} GB"),
-            "lower checkpoint_engine.bucket_size_mb or set actor.offload.optimizer_offload=true")
-    engine = est.engine
-    if engine is not None and engine.colocated and engine.total > limit:
-        yield warning(("resources.gpu_memory_gb", "rollout.gpu_memory_utilization",
-                       "actor.offload"), (
-            f"a colocated engine takes {size(max(engine.usable or 0, engine.weights))} "
-            f"(gpu_memory_utilization {cfg.rollout.gpu_memory_utilization}) next to "
-            f"{size(engine.train_resident)} the train roles keep on the GPU: ~{size(engine.total)}"
-            f" of {mem} GB"), _colocated_fix(cfg, est, limit))

@@ -60,6 +60,7 @@ VERL_NAMES = {
     "rollout.enable_rollout_routing_replay": "rollout.enable_return_routed_experts",
     "rollout.update_weights_bucket_megabytes": "checkpoint_engine.bucket_size_mb",
     "rollout.log_prob_micro_batch_size_per_gpu": "actor.log_prob_micro_batch_size_per_gpu",
+    "rollout.log_prob_max_token_len_per_gpu": "actor.log_prob_max_token_len_per_gpu",
     "actor.optim.clip_grad": "actor.grad_clip",
     "trainer.n_gpus_per_node": "resources.train_pool.gpus_per_node",
     "trainer.nnodes": "resources.train_pool.nnodes",

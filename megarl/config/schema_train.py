@@ -178,6 +178,13 @@ class ActorConfig(Section):
     ppo_max_token_len_per_gpu: int = Field(16384, ge=1, description=(
         "dynamic batch size: tokens per micro-batch per GPU (scaled by cp); must hold one "
         "sequence of max_prompt_length + max_response_length"))
+    log_prob_max_token_len_per_gpu: int | None = Field(None, ge=1, description=(
+        "dynamic batch size: tokens per GPU (scaled by cp) of one forward of the old-log-prob "
+        "pass (and of the reference's, unless ref.log_prob_max_token_len_per_gpu): a forward "
+        "keeps no activations for a backward, so it fits more tokens than an update "
+        "micro-batch, in fewer, larger matmuls (verl's rollout.log_prob_max_token_len_per_gpu; "
+        "the preflight checks its memory as phase old_log_prob); must hold one sequence of "
+        "max_prompt_length + max_response_length; null = `ppo_max_token_len_per_gpu`"))
     ppo_epochs: int = Field(1, ge=1, description="passes over each step's samples")
     clip_ratio_low: float = Field(0.2, ge=0, description=(
         "PPO clip below: ratio >= 1 - clip_ratio_low"))
@@ -254,6 +261,9 @@ class RefConfig(Section):
     log_prob_micro_batch_size_per_gpu: int | None = Field(None, ge=1, description=(
         "sequences per reference forward, packed as the actor's log-prob forward; null = the "
         "actor's log-prob micro-batch"))
+    log_prob_max_token_len_per_gpu: int | None = Field(None, ge=1, description=(
+        "with actor.use_dynamic_bsz: tokens per GPU of one reference forward; null = "
+        "actor.log_prob_max_token_len_per_gpu"))
 
 
 class CriticConfig(Section):

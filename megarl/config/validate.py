@@ -6,7 +6,7 @@ PITFALLS S3 (files readable before any worker starts) in validate_files.py, B2 (
 divide) in validate_batch.py, the consistency of pools, schedulers and transports in
 validate_pools.py, T7 (param + optimizer offload) and the algorithm and run options in
 validate_options.py, B3-B5 (layout against the model's architecture) in validate_layout.py, T1
-(memory per GPU) in estimates.py.
+(memory per GPU) in estimates_report.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from megarl.config.derived import derive_sizes
-from megarl.config.estimates import check_memory_fits
+from megarl.config.estimates_report import check_memory_fits
 from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info
 from megarl.config.problems import Context, Problem
 from megarl.config.schema import RunConfig

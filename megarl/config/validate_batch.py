@@ -95,13 +95,18 @@ def check_dynamic_bsz_token_budget(ctx: Context) -> Iterator[Problem]:
     actor, data = ctx.cfg.actor, ctx.cfg.data
     cp = actor.parallel.cp
     longest = data.max_prompt_length + data.max_response_length
-    if actor.use_dynamic_bsz and actor.ppo_max_token_len_per_gpu * cp < longest:
-        yield error(("actor.ppo_max_token_len_per_gpu", "data.max_prompt_length",
-                     "data.max_response_length"),
-                    f"the token budget {actor.ppo_max_token_len_per_gpu} x cp {cp} is smaller "
-                    f"than one sequence of {data.max_prompt_length} + "
-                    f"{data.max_response_length} = {longest} tokens",
-                    f"set actor.ppo_max_token_len_per_gpu={math.ceil(longest / cp)} or more")
+    if not actor.use_dynamic_bsz:
+        return
+    for field, budget in (("actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
+                          ("actor.log_prob_max_token_len_per_gpu",
+                           actor.log_prob_max_token_len_per_gpu),
+                          ("ref.log_prob_max_token_len_per_gpu",
+                           ctx.cfg.ref.log_prob_max_token_len_per_gpu)):
+        if budget is not None and budget * cp < longest:
+            yield error((field, "data.max_prompt_length", "data.max_response_length"),
+                        f"the token budget {budget} x cp {cp} is smaller than one sequence of "
+                        f"{data.max_prompt_length} + {data.max_response_length} = {longest} "
+                        "tokens", f"set {field}={math.ceil(longest / cp)} or more")
 
 
 def check_critic_batch_split(ctx: Context) -> Iterator[Problem]:

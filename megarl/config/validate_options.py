@@ -362,6 +362,10 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
     return [
         ("actor.ppo_max_token_len_per_gpu", not cfg.actor.use_dynamic_bsz,
          "set actor.use_dynamic_bsz=true"),
+        ("actor.log_prob_max_token_len_per_gpu", not cfg.actor.use_dynamic_bsz,
+         "set actor.use_dynamic_bsz=true"),
+        ("ref.log_prob_max_token_len_per_gpu", not cfg.actor.use_dynamic_bsz,
+         "set actor.use_dynamic_bsz=true"),
         ("actor.log_prob_micro_batch_size_per_gpu", cfg.actor.use_dynamic_bsz,
          ("set actor.use_dynamic_bsz=false (with it the forward packs by "
           "actor.ppo_max_token_len_per_gpu)")),

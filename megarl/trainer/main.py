@@ -44,7 +44,7 @@ def load_run_config(path: str, overrides: list[str],
 def startup_text(cfg: RunConfig) -> list[str]:
     """The lines ``megarl train`` prints before it starts: the per-GPU memory estimate and the
     host memory per node (T1)."""
-    from megarl.config.estimates import startup_estimates
+    from megarl.config.estimates_report import startup_estimates
     from megarl.config.host_estimates import host_rows
     from megarl.config.validate import build_context
 

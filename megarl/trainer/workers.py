@@ -90,9 +90,11 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-    if a.use_dynamic_bsz:  # the log-prob forwards pack by the same token budget
-        # per GPU: a packed row is split over the cp ranks of a model replica
-        budget, log_prob_budget, ref_budget = a.ppo_max_token_len_per_gpu * sizes.cp, None, None
+    if a.use_dynamic_bsz:  # per GPU: a packed row is split over the cp ranks of a replica
+        budget = a.ppo_max_token_len_per_gpu * sizes.cp
+        log_prob_tokens = a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
+        log_prob_budget = log_prob_tokens * sizes.cp
+        ref_budget = (cfg.ref.log_prob_max_token_len_per_gpu or log_prob_tokens) * sizes.cp
     else:
         micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or 1
         budget = micro * seq_len

@@ -13,10 +13,10 @@ from megarl.config import derive_sizes, load_config, load_config_dict, load_mode
 from megarl.config.estimates import (
     GB,
     estimate,
-    format_estimates,
     micro_batches_in_flight,
     stage_layers,
 )
+from megarl.config.estimates_report import format_estimates
 from megarl.config.schema import ParallelConfig
 from megarl.config.validate import validate_config
 
@@ -139,6 +139,35 @@ def test_tiny_activations_and_logits_by_hand(tiny_moe_dir):
     # two 1-layer units keep their inputs (h each); one unit is recomputed at a time
     assert full.update.activations == (2 * 64 + attention + moe) * 4 * tokens
     assert full.update.activations < est.update.activations
+
+
+def test_the_log_prob_forward_by_hand(tiny_moe_dir):
+    """No backward: one layer's activations for the forward's tokens, one chunk of logits with
+    the hidden states (no gradients), next to the actor's state as the sync sees it; its own
+    token budget (actor.log_prob_max_token_len_per_gpu, the reference's if larger)."""
+    attention = 2 * 64 + 16 * (2 * 4 + 2 * 2)
+    moe = (2 * 64 + 2 * 4) + 2 * (64 + 3 * 32)
+    est, _ = tiny_estimate(tiny_moe_dir)
+    tokens = 4 * (64 + 32)  # null: the training micro-batch
+    lp = est.log_prob
+    assert lp.tokens_per_micro_batch == tokens
+    assert lp.activations == 4 * (attention + moe) * tokens
+    assert lp.log_probs == tokens * 128 * (4 + 8) + tokens * 64 * 4
+    assert lp.resident == est.sync_actor == est.update.state.total
+    assert lp.total == lp.resident + lp.activations + lp.log_probs + lp.other_roles
+    dynamic = ("actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=512")
+    big, _ = tiny_estimate(tiny_moe_dir, *dynamic, "actor.log_prob_max_token_len_per_gpu=4096")
+    assert big.log_prob.tokens_per_micro_batch == 4096
+    assert big.log_prob.activations == 4 * (attention + moe) * 4096
+    assert big.update.tokens_per_micro_batch == 512  # the update keeps its own budget
+    ref, _ = tiny_estimate(tiny_moe_dir, *dynamic, "actor.log_prob_max_token_len_per_gpu=1024",
+                           "ref.enabled=true", "ref.log_prob_max_token_len_per_gpu=2048")
+    assert ref.log_prob.tokens_per_micro_batch == 2048
+    # a forward larger than the update warns, naming the budget
+    cfg = tiny_config(tiny_moe_dir, *dynamic, "actor.log_prob_max_token_len_per_gpu=262144",
+                      "resources.gpu_memory_gb=0.5")
+    found = [p for p in memory_warnings(cfg) if "log-prob forward" in p.line()]
+    assert found and "actor.log_prob_max_token_len_per_gpu" in found[0].fields, found
 
 
 def test_engine_and_sync_by_hand(tiny_moe_dir):

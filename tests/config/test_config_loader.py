@@ -97,6 +97,8 @@ def test_key_in_the_wrong_section_points_to_where_it_lives():
     ("ray_init.timeline_json_file", "ray.timeline_file"),
     ("trainer.save_freq", "trainer.save_every"),
     ("async_training.staleness_threshold", "scheduler.staleness_threshold"),
+    ("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+     "actor.log_prob_max_token_len_per_gpu"),
 ])
 def test_verl_names_are_translated_in_suggestions(verl_key, megarl_key):
     assert suggest_keys(verl_key) == [megarl_key]

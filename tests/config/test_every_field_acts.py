@@ -287,10 +287,14 @@ FIELDS: dict[str, Row] = {
     "actor.cuda_graph_bucket_tokens": spec(512, "actor.cuda_graph_bucket_tokens"),
     "actor.log_prob_micro_batch_size_per_gpu": spec(
         4, "actor.log_prob_max_tokens_per_micro_batch"),
+    "actor.log_prob_max_token_len_per_gpu": spec(
+        65536, "actor.log_prob_max_tokens_per_micro_batch", "actor.use_dynamic_bsz=true"),
     # ref
     "ref.enabled": spec("true", "actor.with_ref"),
     "ref.offload.param_offload": spec("true", "actor.ref_param_offload"),
     "ref.log_prob_micro_batch_size_per_gpu": spec(4, "actor.ref_max_tokens_per_micro_batch"),
+    "ref.log_prob_max_token_len_per_gpu": spec(65536, "actor.ref_max_tokens_per_micro_batch",
+                                               "actor.use_dynamic_bsz=true"),
     **{f"ref.parallel.{name}": refused(value) for name, value in (
         ("tp", 2), ("pp", 2), ("vpp", 2), ("ep", 2), ("etp", 2), ("cp", 2),
         ("sequence_parallel", "false"))},
@@ -464,3 +468,9 @@ def test_dynamic_token_budget_counts_per_cp_rank(run: Run) -> None:
     assert built["actor"].max_tokens_per_micro_batch == 16384
     assert built["critic"].max_tokens_per_micro_batch == 16384
     assert built["sizes"].token_budget_per_micro_batch == 16384
+    # the log-prob forwards: their own budget, per GPU too; the reference's defaults to it
+    built = run.built(GAE, "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=8192",
+                      "actor.log_prob_max_token_len_per_gpu=32768", "actor.parallel.cp=2")
+    assert built["actor"].log_prob_max_tokens_per_micro_batch == 65536
+    assert built["actor"].ref_max_tokens_per_micro_batch == 65536
+    assert built["actor"].max_tokens_per_micro_batch == 16384

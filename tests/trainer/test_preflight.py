@@ -65,7 +65,14 @@ def test_colocated_phases_count_what_the_other_role_holds(cuda_run):
                                      + est.update.other_roles)
     assert light["gen"] == est.engine.usable + state.weights + est.update.other_roles
     assert est.engine.usable == int(80 * GB * offloaded.rollout.gpu_memory_utilization)
-    assert phase_estimates(est).keys() == {"gen", "update_actor", "sync_weights"}
+    assert phase_estimates(est).keys() == {"gen", "old_log_prob", "update_actor", "sync_weights"}
+    # the log-prob forward: the actor's weights (its grads and optimizer offloaded) and one
+    # forward's activations and log-probs, next to the idle roles; the engine released
+    lp = est.log_prob
+    assert light["old_log_prob"] == (state.weights + lp.activations + lp.log_probs
+                                     + est.update.other_roles)
+    assert with_state["old_log_prob"] - light["old_log_prob"] == state.grads + state.optimizer
+    assert 0 < lp.activations < est.update.activations
 
 
 def test_a_run_that_cannot_fit_is_refused_before_any_worker_starts(cuda_run, tmp_path,
@@ -82,10 +89,11 @@ def test_a_run_that_cannot_fit_is_refused_before_any_worker_starts(cuda_run, tmp
                        f"trainer.output_dir={out}"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert [line.split(" needs ")[0] for line in err] == [
-        "preflight: phase 'gen'", "preflight: phase 'update_actor'",
-        "preflight: phase 'sync_weights'"]
+        "preflight: phase 'gen'", "preflight: phase 'old_log_prob'",
+        "preflight: phase 'update_actor'", "preflight: phase 'sync_weights'"]
     assert all(", GPU 1 has 0.0 GB free — lower it with " in line for line in err)
-    assert err[1].endswith(UPDATE_KNOBS)
+    assert "actor.log_prob_max_token_len_per_gpu" in err[1]
+    assert err[2].endswith(UPDATE_KNOBS)
     assert not out.exists() and not ray.is_initialized()
 
 
