@@ -185,11 +185,13 @@ def _with_adapters(model: Any, rank: int) -> Any:
 
 def _measure_adapter_sync(job: RankJob, model: Any, settings: Any) -> dict[str, Any] | None:
     """The adapter sync, ``repeats`` times (each a new adapter name, the previous unloaded):
-    gather in PEFT's format (collective), flatten, post to every engine; rank 0 returns the
+    gather in PEFT's format (collective), routed experts' adapters one per expert as the
+    trainer sends them, flatten, post to every engine; rank 0 returns the
     figures of the fastest."""
     import httpx
 
     from megarl.megatron.lora import peft_adapter
+    from megarl.weights.expert_adapters import per_expert_adapter
     from megarl.weights.flattened import FLATTENED_BUCKET, flatten_bucket, serialize
 
     def post(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
@@ -205,7 +207,7 @@ def _measure_adapter_sync(job: RankJob, model: Any, settings: Any) -> dict[str, 
             adapter = peft_adapter(model, settings)
             if adapter is None:
                 continue
-            config, tensors = adapter
+            config, tensors = per_expert_adapter(*adapter)  # what the trainer sends
             payload = flatten_bucket([(k, v.detach().cpu()) for k, v in tensors.items()])
             name = f"bench-{r}"
             post(client, "/load_lora_adapter_from_tensors",
