@@ -33,9 +33,9 @@ def card_of(path: Path) -> str:
 
 def test_the_shipped_set():
     assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "moe-gpu-demo", "qwen3-0.6b",
-                                         "qwen3-235b-a22b", "qwen3-30b-a3b-32k", "qwen3-30b-a3b",
-                                         "qwen3-8b", "tiny-dense-lora-cpu", "tiny-moe-cpu",
-                                         "tiny-moe-tools"]
+                                         "qwen3-235b-a22b", "qwen3-30b-a3b-32k",
+                                         "qwen3-30b-a3b-lora-1gpu", "qwen3-30b-a3b", "qwen3-8b",
+                                         "tiny-dense-lora-cpu", "tiny-moe-cpu", "tiny-moe-tools"]
     # every sized config points at a model card, and every card is used
     assert sorted({card_of(p) for p in SIZED}) == [c.name for c in CARDS]
     for path in SHIPPED:
@@ -91,6 +91,28 @@ def test_lora_demo_config_validates_against_its_tiny_dense_model(tmp_path, capsy
     cfg, _ = load_config(spec.config)
     assert (cfg.actor.lora.rank, cfg.actor.lora.alpha) == (16, 32)
     assert cfg.actor.lora.target_modules is None  # every linear layer the model has
+
+
+def test_the_one_gpu_lora_config_fits_where_the_full_fine_tune_cannot(monkeypatch):
+    """configs/qwen3-30b-a3b-lora-1gpu.yaml: every phase fits the H200's 141 GB with LoRA (the
+    preflight's estimates); the same run without adapters needs ~519 GB in the update."""
+    from megarl.config.estimates import GB, estimate, phase_estimates
+    from megarl.config.validate import build_context
+
+    monkeypatch.chdir(REPO)
+    path = REPO / "configs" / "qwen3-30b-a3b-lora-1gpu.yaml"
+    lora, _ = load_config(path)
+    ctx = build_context(lora)
+    phases = phase_estimates(estimate(lora, ctx.model, ctx.sizes))
+    assert set(phases) == {"gen", "old_log_prob", "update_actor", "sync_weights"}
+    assert max(phases.values()) < 0.9 * 141 * GB, {k: v / GB for k, v in phases.items()}
+    full, _ = load_config(path, ["actor.lora.rank=0"])
+    ctx = build_context(full)
+    update = estimate(full, ctx.model, ctx.sizes).update
+    assert update.total > 3 * 141 * GB and update.state.optimizer > 300 * GB
+    warned = [p for p in validate_config(full, allow_missing_files=True)
+              if p.rule == "check_memory_fits"]
+    assert warned and "in the update" in warned[0].line()
 
 
 def test_gpu_demo_config_validates_before_the_demo_ran(monkeypatch, capsys):
