@@ -128,7 +128,12 @@ def _collections_see_only_new_objects() -> Iterator[None]:
     torch, megatron-core and Ray, that collection takes 0.25-0.3 s of CPU at every save and
     load. ``gc.freeze`` sets the objects that exist before the call aside for that collection;
     ``gc.unfreeze`` hands them back to the collector, so nothing is kept alive that would
-    otherwise be freed."""
+    otherwise be freed. In a worker that set its long-lived objects aside at setup
+    (:func:`megarl.memory.settle_long_lived_objects`) the collection already skips them, and
+    this changes nothing (an unfreeze would hand those back too)."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield

@@ -30,7 +30,7 @@ from megarl.megatron.offload import PARTS, StateOffloader
 from megarl.megatron.optimizer import TrainableActor
 from megarl.megatron.settings import CriticSpec
 from megarl.megatron.worker import DTYPES
-from megarl.memory import free_cached_memory
+from megarl.memory import free_cached_memory, settle_long_lived_objects
 
 
 def _first_of_group() -> bool:
@@ -53,6 +53,7 @@ class CriticWorker(Worker):
         self.critic = TrainableActor(model, spec.optim)
         self.offloader = StateOffloader(model.chunks, self.critic.optimizer)
         self.offloader.offload(spec.offload.parts())
+        settle_long_lived_objects()  # later hand-offs and saves collect only newer objects
 
     @contextlib.contextmanager
     def _on_device(self, parts: Sequence[str]) -> Iterator[None]:

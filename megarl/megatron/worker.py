@@ -41,7 +41,7 @@ from megarl.megatron.router_replay import record_routes as record_routes_of
 from megarl.megatron.router_replay import replay_routes as replay_routes_in
 from megarl.megatron.settings import DTYPES, ActorSpec, LoraSettings
 from megarl.megatron.update import TrainSequence, train_step
-from megarl.memory import Peaks, free_cached_memory, phase_memory
+from megarl.memory import Peaks, free_cached_memory, phase_memory, settle_long_lived_objects
 from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
 
 logger = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ class ActorWorker(Worker):
             self._move(self.ref_offloader, "offload", ["param"])
         self._move(self.offloader, "offload", spec.offload.parts())  # before engines start
         self.moving_seconds = dict.fromkeys(self.moving_seconds, 0.0)  # not a step's time
+        settle_long_lived_objects()  # later hand-offs and saves collect only newer objects
 
     def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """A phase of this rank: its peak memory is recorded, an OOM names phase and knobs."""

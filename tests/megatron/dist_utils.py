@@ -15,6 +15,7 @@ ranks are spawned (CUDA must not be initialised in a forked process).
 
 from __future__ import annotations
 
+import gc
 import os
 import queue
 import socket
@@ -84,6 +85,9 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results,
             results.put((rank, False, traceback.format_exc()))
         finally:
             _reset_megatron()
+            # a worker built by the task set its objects aside (settle_long_lived_objects):
+            # hand them back, so the next tasks' collections free this one's cycles
+            gc.unfreeze()
     dist.destroy_process_group()
     results.close()
     results.join_thread()  # every result is in the pipe

@@ -142,3 +142,43 @@ def test_freeing_the_cache_reports_what_the_process_held():
         gc.enable()
     assert alive() is None
     assert set(held) == {"before", "after"} and held["before"] > 0 and held["after"] > 0
+
+
+def test_settled_objects_are_skipped_and_newer_cycles_still_freed():
+    """``settle_long_lived_objects`` (end of a worker's setup) collects what is garbage then and
+    sets the rest aside: a later ``free_cached_memory`` frees cycles made after it, holding
+    tensors too, and scans only those; the checkpoint's optimizer collection then leaves the
+    settled objects frozen."""
+    import gc
+    import weakref
+
+    from megarl.megatron.checkpoint_state import _collections_see_only_new_objects
+    from megarl.memory import settle_long_lived_objects
+
+    class Node:
+        pass
+
+    def cycle(payload=None) -> weakref.ref:
+        a, b = Node(), Node()
+        a.other, b.other, a.payload = b, a, payload
+        return weakref.ref(a)
+
+    assert gc.get_freeze_count() == 0
+    before = cycle()  # garbage at settle time: collected by the settle itself
+    gc.disable()
+    try:
+        settled = settle_long_lived_objects()
+        assert before() is None and settled == gc.get_freeze_count() > 10_000
+        tensor = torch.zeros(1 << 20)
+        held = weakref.ref(tensor)
+        after = cycle(tensor)
+        del tensor
+        assert after() is not None and held() is not None
+        free_cached_memory()
+        assert after() is None and held() is None  # the phase's tensor is gone
+        with _collections_see_only_new_objects():
+            gc.collect()
+        assert gc.get_freeze_count() == settled  # still set aside after a save
+    finally:
+        gc.enable()
+        gc.unfreeze()
