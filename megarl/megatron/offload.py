@@ -154,7 +154,7 @@ class StateOffloader:
             for stash in stashes:
                 stash.storage.resize_(0)
                 freed += stash.nbytes
-        if found:  # a full gc pass costs ~0.3 s once megatron-core is imported: only for a move
+        if found:  # a full gc pass costs ~0.25 s in a rank that has not settled: only for a move
             free_cached_memory()
         return freed
 
