@@ -168,7 +168,8 @@ def test_settled_objects_are_skipped_and_newer_cycles_still_freed():
     gc.disable()
     try:
         settled = settle_long_lived_objects()
-        assert before() is None and settled == gc.get_freeze_count() > 10_000
+        # (the count falls a little whenever a set-aside object is freed by its refcount)
+        assert before() is None and settled > 10_000
         tensor = torch.zeros(1 << 20)
         held = weakref.ref(tensor)
         after = cycle(tensor)
@@ -178,7 +179,7 @@ def test_settled_objects_are_skipped_and_newer_cycles_still_freed():
         assert after() is None and held() is None  # the phase's tensor is gone
         with _collections_see_only_new_objects():
             gc.collect()
-        assert gc.get_freeze_count() == settled  # still set aside after a save
+        assert gc.get_freeze_count() > settled // 2  # still set aside (an unfreeze gives 0)
     finally:
         gc.enable()
         gc.unfreeze()
