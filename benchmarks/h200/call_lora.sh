@@ -3,10 +3,14 @@
 # weights; a full fine-tune needs ~250 GB (fp32 grads and Adam), and the preflight refuses it
 # (first run, exit 1 expected). Then LoRA (rank 32 on the attention) with the merged sync and with
 # the adapter sync: warm-up + LORA_STEPS timed steps of LORA_PROMPTS prompts each, JSON to $OUT.
+# Responses are short (LORA_MAX_RESPONSE, median LORA_MEDIAN): an engine serving adapters decodes
+# through HF's eager modules (128 experts a layer in HF's expert loop), not the native decoder,
+# and 2,048-token answers would not end inside LORA_TIMEOUT; both syncs run the same lengths.
 source benchmarks/h200/setup.sh
 L=${LORA_LAYERS:-24}
 common="--shape moe --moe-layers $L --trl off --out /tmp/e2e_lora --prompts ${LORA_PROMPTS:-16}
-  --steps ${LORA_STEPS:-1} --warmup 1"
+  --steps ${LORA_STEPS:-1} --warmup 1 --max-response ${LORA_MAX_RESPONSE:-256}
+  --median ${LORA_MEDIAN:-64}"
 ( while true; do echo "$(date +%T) host_used_mib $(free -m | awk 'NR==2{print $3, $7}') gpu \
     $(nvidia-smi --query-gpu=memory.used --format=csv,noheader)"; sleep 5; done ) \
   > $OUT/mem_lora.log 2>&1 &
