@@ -392,8 +392,8 @@ def log_prob_tokens(cfg: RunConfig, sizes: DerivedSizes) -> int:
     a, ref = cfg.actor, cfg.ref
     with_ref = bool(ref.enabled)
     if a.use_dynamic_bsz:
-        actor = a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
-        return max(actor, (ref.log_prob_max_token_len_per_gpu or actor) if with_ref else 0)
+        return max(a.log_prob_max_token_len_per_gpu,
+                   ref.log_prob_max_token_len_per_gpu if with_ref else 0)
     micro = sizes.micro_batch_size_per_gpu
     sequences = max(a.log_prob_micro_batch_size_per_gpu or 0,
                     (ref.log_prob_micro_batch_size_per_gpu or 0) if with_ref else 0)

@@ -425,8 +425,10 @@ class RayConfig(Section):
 
 # Fields whose null means "follow another field"; RunConfig fills them when it is built.
 DERIVED_FIELDS: tuple[str, ...] = (
-    "model.tokenizer_path", "actor.log_prob_micro_batch_size_per_gpu", "ref.enabled",
-    "ref.parallel", "ref.log_prob_micro_batch_size_per_gpu", "critic.enabled",
+    "model.tokenizer_path", "actor.log_prob_micro_batch_size_per_gpu",
+    "actor.log_prob_max_token_len_per_gpu", "ref.enabled", "ref.parallel",
+    "ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_max_token_len_per_gpu",
+    "critic.enabled",
     "critic.model_path", "critic.ppo_mini_batch_size", "critic.ppo_micro_batch_size_per_gpu",
     "critic.ppo_epochs", "critic.parallel", "rollout.enable_return_routed_experts",
     "rollout.dtype", "actor.offload.grad_offload", "actor.offload.optimizer_offload",
@@ -461,12 +463,16 @@ class RunConfig(Section):
         self.model.tokenizer_path = self.model.tokenizer_path or self.model.path
         if actor.log_prob_micro_batch_size_per_gpu is None:
             actor.log_prob_micro_batch_size_per_gpu = actor.ppo_micro_batch_size_per_gpu
+        if actor.log_prob_max_token_len_per_gpu is None:
+            actor.log_prob_max_token_len_per_gpu = actor.ppo_max_token_len_per_gpu
         if self.ref.enabled is None:
             self.ref.enabled = actor.use_kl_loss or self.algorithm.use_kl_in_reward
         if self.ref.parallel is None:
             self.ref.parallel = actor.parallel.model_copy()
         if self.ref.log_prob_micro_batch_size_per_gpu is None:
             self.ref.log_prob_micro_batch_size_per_gpu = actor.log_prob_micro_batch_size_per_gpu
+        if self.ref.log_prob_max_token_len_per_gpu is None:
+            self.ref.log_prob_max_token_len_per_gpu = actor.log_prob_max_token_len_per_gpu
         self._fill_critic()
         if self.rollout.enable_return_routed_experts is None:
             self.rollout.enable_return_routed_experts = actor.router_replay.mode == "R3"

@@ -91,18 +91,22 @@ def check_micro_batch_divides_mini_batch(ctx: Context) -> Iterator[Problem]:
 
 
 def check_dynamic_bsz_token_budget(ctx: Context) -> Iterator[Problem]:
-    """A dynamic micro-batch must hold at least one sequence of the longest length."""
+    """A dynamic micro-batch must hold at least one sequence of the longest length (each budget
+    once: one that equals the budget it follows, as a derived one does, is that one's error)."""
     actor, data = ctx.cfg.actor, ctx.cfg.data
     cp = actor.parallel.cp
     longest = data.max_prompt_length + data.max_response_length
     if not actor.use_dynamic_bsz:
         return
+    followed = None  # each budget follows the one before it
     for field, budget in (("actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu),
                           ("actor.log_prob_max_token_len_per_gpu",
                            actor.log_prob_max_token_len_per_gpu),
                           ("ref.log_prob_max_token_len_per_gpu",
                            ctx.cfg.ref.log_prob_max_token_len_per_gpu)):
-        if budget is not None and budget * cp < longest:
+        reported = budget == followed
+        followed = budget
+        if not reported and budget * cp < longest:
             yield error((field, "data.max_prompt_length", "data.max_response_length"),
                         f"the token budget {budget} x cp {cp} is smaller than one sequence of "
                         f"{data.max_prompt_length} + {data.max_response_length} = {longest} "

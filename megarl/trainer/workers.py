@@ -92,9 +92,8 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if a.use_dynamic_bsz:  # per GPU: a packed row is split over the cp ranks of a replica
         budget = a.ppo_max_token_len_per_gpu * sizes.cp
-        log_prob_tokens = a.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
-        log_prob_budget = log_prob_tokens * sizes.cp
-        ref_budget = (cfg.ref.log_prob_max_token_len_per_gpu or log_prob_tokens) * sizes.cp
+        log_prob_budget = a.log_prob_max_token_len_per_gpu * sizes.cp
+        ref_budget = cfg.ref.log_prob_max_token_len_per_gpu * sizes.cp
     else:
         micro = a.ppo_micro_batch_size_per_gpu or a.ppo_micro_batch_size or 1
         budget = micro * seq_len

@@ -40,6 +40,12 @@ def test_derived_fields_follow_their_source_and_are_marked():
     assert cfg.ref.enabled is True and sources["ref.enabled"] == "derived"
     assert cfg.ref.parallel == cfg.actor.parallel and sources["ref.parallel"] == "derived"
     assert cfg.actor.log_prob_micro_batch_size_per_gpu == 2
+    budgets, sources = load_config_dict(MINIMAL, ["actor.ppo_max_token_len_per_gpu=8192"])
+    assert budgets.actor.log_prob_max_token_len_per_gpu == 8192  # the update's budget
+    assert budgets.ref.log_prob_max_token_len_per_gpu == 8192  # the actor's log-prob budget
+    assert sources["ref.log_prob_max_token_len_per_gpu"] == "derived"
+    own, _ = load_config_dict(MINIMAL, ["actor.log_prob_max_token_len_per_gpu=32768"])
+    assert own.ref.log_prob_max_token_len_per_gpu == 32768
     assert cfg.model.tokenizer_path == "/m" and cfg.rollout.dtype == cfg.model.dtype
     explicit, sources = load_config_dict(MINIMAL, ["ref.enabled=false", "model.tokenizer_path=/t"])
     assert explicit.ref.enabled is False and sources["ref.enabled"] == "override"
