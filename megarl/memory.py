@@ -19,8 +19,8 @@ over every rank), and the same per phase with the phase's name appended
 
 Between phases, :func:`free_cached_memory` hands the caching allocator's unused blocks back to
 the driver (colocated engines resume into them; its collection scans only what was made since
-:func:`settle_long_lived_objects` at the end of the worker's setup), and :func:`device_memory_report` says who holds
-a device's memory when an allocation failed.
+:func:`settle_long_lived_objects` at the end of the worker's setup), and
+:func:`device_memory_report` says who holds a device's memory when an allocation failed.
 """
 
 from __future__ import annotations

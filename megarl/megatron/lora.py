@@ -81,6 +81,7 @@ from megarl.megatron.native_modules import NormColumnParallelLinear
 from megarl.megatron.native_spec import moe_layer_pattern
 from megarl.megatron.parallel import unwrap_chunk
 from megarl.megatron.settings import LoraSettings
+from megarl.weights.expert_adapters import PEFT_PREFIX
 
 # How each target's layers are split over TP.
 ROW_PARALLEL = {"linear_proj", "linear_fc2", "shared_experts.linear_fc2", "experts.linear_fc2"}
@@ -419,7 +420,7 @@ def peft_adapter(model: ActorModel, settings: LoraSettings, base_model: str | No
     tensors = {k: v.contiguous() for stage, _ in stages for k, v in stage.items()}
     names = [n for _, stage_names in stages for n in stage_names]
     experts = [n for n in names if ".mlp.experts." in n]
-    prefix, suffix = "base_model.model.", ".lora_A.weight"
+    prefix, suffix = PEFT_PREFIX, ".lora_A.weight"
     modules = sorted(k[len(prefix):-len(suffix)] for k in tensors
                      if k.endswith(suffix) and ".mlp.experts" not in k)
     # PEFT's expert adapters: per 3-D parameter, nested in this order (gate_up innermost)

@@ -38,6 +38,7 @@ from megatron.core.transformer.utils import (
 
 from megarl.megatron.native_modules import grouped_linear
 from megarl.megatron.settings import LoraSettings
+from megarl.weights.expert_adapters import unfuse
 
 # HF's expert parameters, in the order PEFT nests their adapters (the first is innermost).
 HF_EXPERT_PARAMS = {"experts.linear_fc1": "gate_up_proj", "experts.linear_fc2": "down_proj"}
@@ -139,9 +140,7 @@ class ExpertLoraAdapter(torch.nn.Module):
     def load_whole_parts(self, parts: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Set this rank's experts from :meth:`whole_parts`' layout."""
         (a_fused, b_fused), = parts
-        experts = a_fused.shape[0] // self.rank
-        a = a_fused.reshape(experts, self.rank, -1)
-        b = b_fused.reshape(b_fused.shape[0], self.rank, experts).permute(2, 0, 1)
+        a, b = unfuse(a_fused, b_fused, self.rank)
         for k in range(self.num_local):
             e = self.first_expert + k
             self.lora_A[k].copy_(self._shard_a(a[e]))

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 PEFT_PREFIX = "base_model.model."
-_FUSED = re.compile(r"^(model\.layers\.(\d+)\.mlp\.experts)((?:\.base_layer)*)\.lora_([AB])\.weight$")
+"""What PEFT puts before a module's name in an adapter's state dict."""
+_FUSED = re.compile(
+    r"^(model\.layers\.(\d+)\.mlp\.experts)((?:\.base_layer)*)\.lora_([AB])\.weight$")
 _PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 """HF's fused expert parameters in the order HF defines them, and SGLang's projections of each."""
 
@@ -39,6 +41,14 @@ def _parameter_order(config: dict[str, Any]) -> dict[str, list[str]]:
                              f"({sorted(_PROJECTIONS)})")
         order.setdefault(module, []).append(leaf)
     return {module: [p for p in _PROJECTIONS if p in leaves] for module, leaves in order.items()}
+
+
+def unfuse(a: torch.Tensor, b: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's fused expert adapter (A ``[E * r, in]``, B ``[out, r * E]``) as ``A [E, r, in]``
+    and ``B [E, out, r]`` (views)."""
+    experts = a.shape[0] // rank
+    return (a.reshape(experts, rank, a.shape[1]),
+            b.reshape(b.shape[0], rank, experts).permute(2, 0, 1))
 
 
 def per_expert_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor]
@@ -70,11 +80,9 @@ def per_expert_adapter(config: dict[str, Any], tensors: dict[str, torch.Tensor]
         if a.shape[0] % rank or b.shape[1] != a.shape[0]:
             raise ValueError(f"{module}.{parameter}: lora_A {list(a.shape)} / lora_B "
                              f"{list(b.shape)} are not PEFT's fused layout of rank {rank}")
-        experts = a.shape[0] // rank
-        a_e = a.reshape(experts, rank, a.shape[1])
-        b_e = b.reshape(b.shape[0], rank, experts).permute(2, 0, 1)  # [E, out, r]
+        a_e, b_e = unfuse(a, b, rank)
         projections = _PROJECTIONS[parameter]
-        for e in range(experts):
+        for e in range(a_e.shape[0]):
             rows = b_e[e].chunk(len(projections))  # gate rows, up rows (gate_up_proj)
             for projection, b_rows in zip(projections, rows):
                 name = f"{PEFT_PREFIX}{module}.{e}.{projection}"

@@ -83,8 +83,16 @@ def expert_weights(adapter: str, module_name: str, module: nn.Module,
     return ExpertWeights(stacked)
 
 
-def _delta(x: torch.Tensor, pair: tuple[torch.Tensor, torch.Tensor], expert: int) -> torch.Tensor:
-    return F.linear(F.linear(x.to(pair[0].dtype), pair[0][expert]), pair[1][expert])
+def _plus_adapters(y: torch.Tensor, x: torch.Tensor, expert: int, projection: str,
+                   applied: list[tuple[ExpertWeights, torch.Tensor]]) -> torch.Tensor:
+    """``y`` (``projection`` of expert ``expert`` on its tokens ``x``) plus each applied
+    adapter's ``B_e (A_e x)``, times the adapter's per-token factor (scale, or 0 off its rows)."""
+    for weights, factor in applied:
+        pair = weights.projections.get(projection)
+        if pair is not None:
+            delta = F.linear(F.linear(x.to(pair[0].dtype), pair[0][expert]), pair[1][expert])
+            y = y + (delta * factor).to(y.dtype)
+    return y
 
 
 def experts_forward(module: nn.Module,
@@ -112,20 +120,12 @@ def experts_forward(module: nn.Module,
                 continue
             token_idx, top_k_pos = torch.where(top_k_index == expert)
             x = hidden_states[token_idx]
-            gate, up = F.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
             extra = [(w, scale * mask[token_idx].unsqueeze(-1)) for w, scale, mask in token_masks]
-            for weights, factor in extra:
-                for name in ("gate_proj", "up_proj"):
-                    pair = weights.projections.get(name)
-                    if pair is not None:
-                        d = (_delta(x, pair, expert) * factor).to(gate.dtype)
-                        gate, up = (gate + d, up) if name == "gate_proj" else (gate, up + d)
+            gate, up = F.linear(x, module.gate_up_proj[expert]).chunk(2, dim=-1)
+            gate = _plus_adapters(gate, x, expert, "gate_proj", extra)
+            up = _plus_adapters(up, x, expert, "up_proj", extra)
             h = module.act_fn(gate) * up
-            y = F.linear(h, module.down_proj[expert])
-            for weights, factor in extra:
-                pair = weights.projections.get("down_proj")
-                if pair is not None:
-                    y = y + (_delta(h, pair, expert) * factor).to(y.dtype)
+            y = _plus_adapters(F.linear(h, module.down_proj[expert]), h, expert, "down_proj", extra)
             y = y * top_k_weights[token_idx, top_k_pos, None]
             out.index_add_(0, token_idx, y.to(out.dtype))
         return out

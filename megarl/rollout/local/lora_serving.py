@@ -32,9 +32,7 @@ from megarl.rollout.local.lora_experts import (
     expert_weights,
     experts_forward,
 )
-
-PEFT_PREFIX = "base_model.model."
-"""What PEFT puts before a module's name in an adapter's state dict."""
+from megarl.weights.expert_adapters import PEFT_PREFIX
 
 
 class AdapterError(ValueError):
@@ -152,9 +150,9 @@ class LoraServing:
                 raise AdapterError(f"{name}: {module_name} has rank {a.shape[0]}, the config "
                                    f"says r={rank}")
             weights[module_name] = (a.to(device, dtype), b.to(device, dtype))
-        if not rank:
-            rank = (next(iter(weights.values()))[0].shape[0] if weights else
-                    next(iter(next(iter(expert_pairs.values())).values()))["A"].shape[0])
+        # without r in the config: the first A's rows
+        rank = rank or next((t.shape[0] for k, t in tensors.items()
+                             if k.endswith("lora_A.weight")), 0)
         experts = {module_name: expert_weights(name, module_name, self._submodule(module_name),
                                                found, rank, device, dtype, AdapterError)
                    for module_name, found in expert_pairs.items()}
