@@ -17,11 +17,9 @@ import sglang_ref
 import torch
 from torch import nn
 
-from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.local.lora_serving import read_peft_dir
 from megarl.weights.expert_adapters import per_expert_adapter
-
-RANK, ALPHA = 4, 8
+from tests.rollout.test_lora_expert_serving import ALPHA, RANK, random_moe_adapter
 
 
 @pytest.fixture(scope="module")
@@ -46,25 +44,15 @@ def sglang_lora() -> dict:
 @pytest.fixture(scope="module")
 def adapter_and_merge(tmp_path_factory: pytest.TempPathFactory):
     """A random PEFT adapter (saved by PEFT) on both fused expert parameters of a tiny
-    Qwen3-MoE, and PEFT's merge of it: the per-expert deltas SGLang must apply."""
-    from peft import LoraConfig, get_peft_model
+    Qwen3-MoE (``target_parameters`` in the other order), and PEFT's merge of it: the
+    per-expert deltas SGLang must apply."""
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("sglang_moe_lora")
-    base_dir = make_tiny_model(root / "base", arch="qwen3_moe", seed=1)
+    base_dir, peft_model = random_moe_adapter(root, 1, 11, ["o_proj"],
+                                              ("down_proj", "gate_up_proj"), 1.0)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    base = {n: p.detach().clone() for n, p in model.named_parameters() if ".experts." in n}
-    layers = model.config.num_hidden_layers
-    peft_model = get_peft_model(model, LoraConfig(
-        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=["o_proj"],
-        target_parameters=[f"model.layers.{i}.mlp.experts.{p}" for i in range(layers)
-                           for p in ("down_proj", "gate_up_proj")]))
-    generator = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator))
-    peft_model.save_pretrained(root / "adapter")
+    base = {n: p.detach() for n, p in model.named_parameters() if ".experts." in n}
     merged = dict(peft_model.merge_and_unload().named_parameters())
     deltas = {n: merged[n].detach() - w for n, w in base.items()}
     return read_peft_dir(root / "adapter"), deltas, model.config

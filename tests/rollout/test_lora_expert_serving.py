@@ -6,6 +6,9 @@ of none in the same batch are untouched; unloading gives the experts their own f
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
 
@@ -17,28 +20,38 @@ RANK, ALPHA = 4, 8
 TOKENS = torch.tensor([[3, 5, 7, 9, 11, 2], [13, 17, 19, 23, 29, 31], [37, 41, 43, 47, 4, 6]])
 
 
-@pytest.fixture(scope="module")
-def peft_adapter(tmp_path_factory: pytest.TempPathFactory):
-    """A tiny Qwen3-MoE; a random PEFT adapter on q/v and on both fused expert parameters of
-    every layer (B random too, so every expert's adapter matters), saved by PEFT itself."""
+def random_moe_adapter(root: Path, model_seed: int, lora_seed: int, target_modules: list[str],
+                       expert_parameters: tuple[str, ...], scale: float) -> tuple[Path, Any]:
+    """A tiny Qwen3-MoE in ``root/base`` and a PEFT adapter on ``target_modules`` and on the
+    fused ``expert_parameters`` of every layer, A and B random (B too, so every expert's adapter
+    matters), saved by PEFT itself in ``root/adapter``; returns (base dir, the PEFT model)."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp("lora_experts")
-    base_dir = make_tiny_model(root / "base", arch="qwen3_moe", seed=0)
+    base_dir = make_tiny_model(root / "base", arch="qwen3_moe", seed=model_seed)
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     layers = model.config.num_hidden_layers
     peft_model = get_peft_model(model, LoraConfig(
-        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+        r=RANK, lora_alpha=ALPHA, lora_dropout=0.0, target_modules=target_modules,
         target_parameters=[f"model.layers.{i}.mlp.experts.{p}" for i in range(layers)
-                           for p in ("gate_up_proj", "down_proj")]))
-    generator = torch.Generator().manual_seed(3)
+                           for p in expert_parameters]))
+    generator = torch.Generator().manual_seed(lora_seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
-        want = peft_model(TOKENS).logits
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
     peft_model.save_pretrained(root / "adapter")
+    return base_dir, peft_model
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(tmp_path_factory: pytest.TempPathFactory):
+    """The random adapter on q/v and both expert parameters, and PEFT's logits with it."""
+    root = tmp_path_factory.mktemp("lora_experts")
+    base_dir, peft_model = random_moe_adapter(root, 0, 3, ["q_proj", "v_proj"],
+                                              ("gate_up_proj", "down_proj"), 0.2)
+    with torch.no_grad():
+        want = peft_model(TOKENS).logits
     return base_dir, root / "adapter", want
 
 
