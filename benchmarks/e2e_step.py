@@ -605,9 +605,6 @@ def write_json(args: argparse.Namespace, floors: dict[str, float],
     earlier = json.loads(path.read_text()) if path.exists() else {}
     merged = {k: v for k, v in earlier.get("results", {}).items() if k not in results}
     by_shape = {k: v for k, v in earlier.get("by_shape", {}).items() if k in merged}
-    for shape in merged:  # a file of an earlier version: its top-level settings were the shape's
-        by_shape.setdefault(shape, {"settings": earlier.get("settings"),
-                                    "floors": earlier.get("floors")})
     merged.update(results)
     by_shape.update({shape: {"settings": settings, "floors": floors} for shape in results})
     tmp = path.with_suffix(".json.tmp")
