@@ -18,7 +18,13 @@ matmul rate), weight sync (seconds, GB/s of bf16 weights, fraction of the measur
 release / resume (seconds) and the whole step (seconds, tokens/s); TRL: step seconds and tokens/s,
 and the ratio megarl / TRL. A JSON file and a PNG of the breakdown go to ``--out``.
 
+``--router-replay R3`` runs megarl's side with ``actor.router_replay.mode=R3`` (the engine returns
+each token's routes, the actor replays them) and reports it as the shape ``moe_r3``; once the same
+``--out`` holds ``moe`` too (the default run, on the same machine), ``moe_r3`` gains the step
+throughput against it (``r3_throughput_ratio``, ``r3_cost``).
+
     python benchmarks/e2e_step.py --shape both               # the H200 run (issue 19)
+    python benchmarks/e2e_step.py --shape moe --router-replay R3 --trl off   # R3's cost
     python benchmarks/e2e_step.py --smoke                    # tiny shapes on CPU (CI)
     megarl bench step --smoke
 """
@@ -32,7 +38,6 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import time
 import uuid
@@ -45,6 +50,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.e2e_plot import plot
+from benchmarks.e2e_trl import run_trl
 from megarl.data.tiny_model import ALPHABET, SPECIAL_TOKENS, build_tokenizer
 from megarl.rollout.interface import RolloutSample, SamplingParams
 from megarl.rollout.sglang.client import SGLangClient
@@ -238,6 +245,16 @@ def flops_per_token(model_dir: Path, seq_len: float, train: bool) -> float:
 # megarl
 # ---------------------------------------------------------------------------------------------
 
+def side(args: argparse.Namespace) -> str:
+    """The folder of megarl's side under ``<out>/<shape>/``: ``megarl``, or ``megarl_r3``."""
+    return "megarl" if args.router_replay == "disabled" else "megarl_r3"
+
+
+def result_key(args: argparse.Namespace, shape: str) -> str:
+    """The shape's name in the report: ``moe``, or ``moe_r3`` for the R3 run."""
+    return shape if args.router_replay == "disabled" else f"{shape}_r3"
+
+
 def micro_batch_overrides(args: argparse.Namespace, samples: int) -> list[str]:
     """megarl's micro-batching and recompute: token budgets (``--micro-batch-tokens``, what a
     colocated run at these sizes needs: 32 sequences of up to 2.5k tokens hold 24 GB of bf16
@@ -271,7 +288,7 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
     samples = len(prompts) * args.n
     overrides = [
         f"model.path={model}", f"data.train_files=[{data}]", f"data.val_files=[{data}]",
-        f"trainer.output_dir={args.out / shape / 'megarl'}", "trainer.loggers=[jsonl]",
+        f"trainer.output_dir={args.out / shape / side(args)}", "trainer.loggers=[jsonl]",
         "trainer.resume=never", f"trainer.total_steps={args.warmup + args.steps}",
         f"data.train_batch_size={len(prompts)}", f"rollout.n={args.n}",
         f"actor.ppo_mini_batch_size={len(prompts)}",
@@ -280,7 +297,8 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
         f"data.max_response_length={args.max_response}",
         f"reward.function={Path(__file__).resolve()}:score", "reward.num_workers=0",
         "actor.parallel.ep=1", "resources.train_pool.gpus_per_node=1", "ray.address=local",
-        f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}", *args.set]
+        f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}",
+        f"actor.router_replay.mode={args.router_replay}", *args.set]
     cfg, sources = load_config(str(spec.config), overrides)
     if device == "cuda" and preflight_refuses(cfg, first=True):  # as `megarl train` does
         return {"refused": "the device preflight refused these settings (its lines above)"}
@@ -292,8 +310,8 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
     trainer = Trainer(cfg, sources)
     history: list[dict[str, float]] = []
     walls: list[float] = []
-    steps_log = args.out / shape / "megarl" / "steps.jsonl"  # each step as it ends: a run cut
-    steps_log.parent.mkdir(parents=True, exist_ok=True)     # short keeps what it measured
+    steps_log = args.out / shape / side(args) / "steps.jsonl"  # each step as it ends: a cut
+    steps_log.parent.mkdir(parents=True, exist_ok=True)       # run keeps what it measured
     steps_log.write_text("")
     started = time.perf_counter()
     try:
@@ -335,108 +353,10 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
     return {"walls": walls[args.warmup:], "metrics": history[args.warmup:]}
 
 
-# ---------------------------------------------------------------------------------------------
-# TRL (runs in its own process: ``--trl-worker``)
-# ---------------------------------------------------------------------------------------------
-
-def trl_worker(args: argparse.Namespace) -> int:
-    """TRL's GRPOTrainer on the same model, prompts and forced lengths; writes step seconds."""
-    from datasets import Dataset
-    from transformers import AutoTokenizer, LogitsProcessor, LogitsProcessorList, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    spec = json.loads(Path(args.trl_worker).read_text())
-    model_dir = Path(spec["model"])
-    rows = [json.loads(line) for line in Path(spec["prompts"]).read_text().splitlines()]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    eos = tok.eos_token_id
-    n, median, sigma, cap = spec["n"], spec["median"], spec["sigma"], spec["max_response"]
-
-    class ForceLengths(LogitsProcessor):
-        """EOS is forbidden before the sample's forced length and forced right after it (the
-        EOS is TRL's completion's last token, so the length is the forced one plus one)."""
-
-        def __init__(self) -> None:
-            self.targets: torch.Tensor | None = None
-            self.start = 0
-
-        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-            if self.targets is None:
-                self.start = input_ids.shape[1]
-                seen: dict[tuple[int, ...], int] = {}
-                targets = []
-                for row in input_ids.tolist():
-                    prompt = tuple(t for t in row if t != tok.pad_token_id)
-                    j = seen.get(prompt, 0)
-                    seen[prompt] = j + 1
-                    targets.append(response_length(list(prompt), j, median, sigma, cap))
-                self.targets = torch.tensor(targets, device=scores.device)
-            done = input_ids.shape[1] - self.start
-            force = self.targets == done
-            scores[~force, eos] = -math.inf
-            scores[force] = -math.inf
-            scores[force, eos] = 0.0
-            return scores
-
-    class StepTimes(TrainerCallback):
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.lengths: list[float] = []
-            self.start = 0.0
-
-        def on_log(self, *a: Any, logs: dict[str, Any] | None = None, **k: Any) -> None:
-            if logs and "completions/mean_length" in logs:
-                self.lengths.append(float(logs["completions/mean_length"]))
-
-        def on_step_begin(self, *a: Any, **k: Any) -> None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.start = time.perf_counter()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()
-            self.times.append(time.perf_counter() - self.start)
-            print(f"[trl] step {len(self.times)}: {self.times[-1]:.2f} s", flush=True)
-
-    def reward(completions: list[str], **kwargs: Any) -> list[float]:
-        return [score("e2e_bench", c, "") for c in completions]
-
-    prompts_per_step = len(rows)
-    samples = prompts_per_step * n
-    micro = max(1, samples // spec["micro_batches"])
-    cuda = torch.cuda.is_available()
-    config = GRPOConfig(
-        output_dir=spec["out"], max_steps=spec["steps"], num_generations=n,
-        per_device_train_batch_size=micro, gradient_accumulation_steps=samples // micro,
-        max_completion_length=cap + 1, learning_rate=1e-6, beta=0.0, num_iterations=1,
-        temperature=1.0, logging_steps=1, report_to=[], save_strategy="no", bf16=cuda,
-        use_cpu=not cuda, model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32},
-        dataloader_num_workers=0, seed=0, shuffle_dataset=False, disable_dropout=True,
-        **({"use_vllm": True, "vllm_mode": "colocate"} if spec.get("vllm") else {}))
-    dataset = Dataset.from_list([{"prompt": r["text"]} for r in rows] * spec["steps"])
-    timer = StepTimes()
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=config,
-                          train_dataset=dataset, processing_class=tok, callbacks=[timer])
-    processor = ForceLengths()
-    generate = trainer.model.generate
-
-    def forced_generate(*a: Any, **k: Any) -> Any:
-        processor.targets = None
-        k["logits_processor"] = LogitsProcessorList([processor])
-        return generate(*a, **k)
-
-    trainer.model.generate = forced_generate
-    trainer.train()
-    Path(spec["result"]).write_text(json.dumps({"step_s": timer.times,
-                                                "mean_completion_length": timer.lengths}))
-    return 0
-
-
 def load_megarl_steps(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     """megarl's timed steps of an earlier run into the same ``--out`` (its ``steps.jsonl``),
     for a TRL-only run (``--megarl off``) that merges both into one report."""
-    path = args.out / shape / "megarl" / "steps.jsonl"
+    path = args.out / shape / side(args) / "steps.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     if len(rows) < args.warmup + args.steps:
         return {"refused": f"--megarl off needs megarl's {args.warmup + args.steps} steps in "
@@ -445,34 +365,6 @@ def load_megarl_steps(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     rows = rows[args.warmup:args.warmup + args.steps]
     return {"walls": [r.pop("wall_s") for r in rows],
             "metrics": [{k: v for k, v in r.items() if k != "step"} for r in rows]}
-
-
-def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) -> dict[str, Any]:
-    """Runs :func:`trl_worker` in a child process; its per-step seconds, or why it did not run."""
-    try:
-        import trl  # noqa: F401
-    except ImportError:
-        return {"skipped": "trl is not installed (pip install 'megarl[bench]')"}
-    out = args.out / shape / "trl"
-    out.mkdir(parents=True, exist_ok=True)
-    spec = {"model": str(model), "prompts": str(rows_path), "n": args.n, "median": args.median,
-            "sigma": args.sigma, "max_response": args.max_response, "out": str(out),
-            "steps": args.warmup + args.steps, "micro_batches": args.micro_batches,
-            "result": str(out / "result.json"), "vllm": args.trl_vllm}
-    (out / "spec.json").write_text(json.dumps(spec))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    log = out / "trl.log"
-    with log.open("w") as stderr:
-        proc = subprocess.run([sys.executable, __file__, "--trl-worker", str(out / "spec.json")],
-                              env=env, cwd=REPO, check=False, stderr=stderr)
-    if proc.returncode != 0:
-        lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
-        errors = [line for line in lines if "Error" in line or "error:" in line]
-        why = (errors or lines or ["no output"])[-1].strip()[:400]
-        return {"failed": f"TRL exited with {proc.returncode}: {why} (log: {log})"}
-    result = json.loads((out / "result.json").read_text())
-    return {"walls": result["step_s"][args.warmup:],
-            "mean_completion_length": result["mean_completion_length"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,53 +439,6 @@ def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
     return out
 
 
-def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
-    """Stacked phase seconds per shape (megarl, and TRL's whole step), and each phase's
-    fraction of its floor."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    phases = ["gen_s", "old_log_prob_s", "update_actor_s", "sync_s", "release_s", "resume_s",
-              "reward_s", "other_s"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
-    labels, x = [], 0
-    for shape, r in results.items():
-        bottom = 0.0
-        for i, phase in enumerate(phases):
-            value = max(0.0, r[phase])
-            left.bar(x, value, bottom=bottom, color=f"C{i}",
-                     label=phase.removesuffix("_s") if x == 0 else None)
-            bottom += value
-        labels.append(f"{shape}\nmegarl")
-        x += 1
-        if "trl_step_s" in r:
-            left.bar(x, r["trl_step_s"], color="#444444", label="TRL step" if x == 1 else None)
-            left.text(x, r["trl_step_s"], f"{r['megarl_over_trl']:.1f}x", ha="center",
-                      va="bottom")
-            labels.append(f"{shape}\nTRL")
-            x += 1
-    left.set_xticks(range(len(labels)), labels)
-    left.set_ylabel("seconds per step")
-    left.set_title("step breakdown")
-    left.legend(fontsize=8)
-    keys = [("gen_floor_fraction", "gen / floor"), ("old_log_prob_mfu", "old_lp MFU"),
-            ("update_actor_mfu", "update MFU"), ("sync_copy_fraction", "sync / copy")]
-    width = 0.8 / max(1, len(results))
-    for i, (shape, r) in enumerate(results.items()):
-        right.bar([k + i * width for k in range(len(keys))], [r[k] for k, _ in keys], width,
-                  label=shape)
-    right.set_xticks([k + width * (len(results) - 1) / 2 for k in range(len(keys))],
-                     [name for _, name in keys])
-    right.set_ylabel("fraction of the measured floor")
-    right.set_title("phases against their floors")
-    right.legend()
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-
-
 def write_json(args: argparse.Namespace, floors: dict[str, float],
                results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """``<out>/e2e_step.json``: the settings, the floors and each shape's results so far, updated
@@ -607,11 +452,28 @@ def write_json(args: argparse.Namespace, floors: dict[str, float],
     by_shape = {k: v for k, v in earlier.get("by_shape", {}).items() if k in merged}
     merged.update(results)
     by_shape.update({shape: {"settings": settings, "floors": floors} for shape in results})
+    compare_router_replay(merged)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps({"settings": settings, "floors": floors, "results": merged,
                                "by_shape": by_shape}, indent=2))
     tmp.replace(path)
     return merged
+
+
+def compare_router_replay(results: dict[str, dict[str, Any]]) -> None:
+    """Where the report holds a shape run with R3 (``<shape>_r3``) and without it (``<shape>``),
+    the R3 entry gets its step throughput as a fraction of the other's (``r3_throughput_ratio``)
+    and the throughput R3 costs (``r3_cost`` = 1 - ratio; issue 30's bound is 5%). The tokens
+    are the same forced lengths in both runs, so the ratio is one of step seconds."""
+    for key, r3 in results.items():
+        base = results.get(key.removesuffix("_r3")) if key.endswith("_r3") else None
+        if base is None or "step_tokens_per_s" not in base or "step_tokens_per_s" not in r3:
+            continue
+        ratio = r3["step_tokens_per_s"] / base["step_tokens_per_s"]
+        r3["r3_throughput_ratio"] = ratio
+        r3["r3_cost"] = 1.0 - ratio
+        r3["r3_phase_ratios"] = {k: r3[k] / base[k] for k in (
+            "gen_s", "old_log_prob_s", "update_actor_s", "sync_s") if base.get(k)}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -640,12 +502,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="off: TRL's side only, reported next to the megarl steps an earlier run "
                         "with --trl off left in the same --out (the two sides as two commands)")
     p.add_argument("--trl-vllm", action="store_true", help="TRL with vLLM colocated generation")
+    p.add_argument("--router-replay", choices=["disabled", "R3"], default="disabled",
+                   help="R3: megarl's side with actor.router_replay.mode=R3 (the MoE shape), "
+                        "reported as moe_r3 next to an R3-less moe run in the same --out")
     p.add_argument("--smoke", action="store_true", help="tiny shapes and lengths (CPU, CI)")
     p.add_argument("--set", nargs="*", default=[], metavar="a.b.c=value",
                    help="megarl config overrides, after the benchmark's own (e.g. the memory "
                         "knobs: actor.recompute.granularity=full)")
-    p.add_argument("--trl-worker", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.router_replay != "disabled" and args.shape != "moe":
+        p.error(f"--router-replay {args.router_replay} replays MoE routes: it needs --shape moe "
+                f"(got --shape {args.shape})")
+    if args.router_replay != "disabled" and args.trl == "on":
+        p.error("--router-replay R3 times megarl's side only: add --trl off (TRL's side is the "
+                "same as in the run without R3)")
     if args.smoke:
         args.prompts, args.n, args.prompt_len, args.max_response = 4, 2, [8, 16], 16
         args.median, args.steps, args.micro_batches = 6.0, 1, 2
@@ -655,8 +525,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else argv)
-    if args.trl_worker:
-        return trl_worker(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args.out.mkdir(parents=True, exist_ok=True)
     shapes = ["dense", "moe"] if args.shape == "both" else [args.shape]
@@ -676,23 +544,24 @@ def main(argv: list[str] | None = None) -> int:
         def measured(partial: dict[str, Any], shape: str = shape, model: Path = model,
                      prompts: list[list[int]] = prompts) -> None:
             """The figures so far on disk before the teardown (TRL's side still to come)."""
-            results[shape] = summarize(args, model, prompts, floors, partial,
-                                       {"skipped": "not run yet"})
+            results[result_key(args, shape)] = summarize(args, model, prompts, floors, partial,
+                                                         {"skipped": "not run yet"})
             write_json(args, floors, results)
 
         if args.megarl == "off":  # TRL's side only, next to a megarl run in the same --out
             megarl = load_megarl_steps(args, shape)
         else:
             megarl = run_megarl(args, shape, model, rows_path, prompts, measured)
+        key = result_key(args, shape)
         if "refused" in megarl:
-            results[shape] = {"error": megarl["refused"]}
-            print(f"error: {shape}: {megarl['refused']}", file=sys.stderr, flush=True)
+            results[key] = {"error": megarl["refused"]}
+            print(f"error: {key}: {megarl['refused']}", file=sys.stderr, flush=True)
             continue
         trl = run_trl(args, shape, model, rows_path) if args.trl == "on" else {"skipped": "--trl off"}
-        results[shape] = summarize(args, model, prompts, floors, megarl, trl)
-        print(json.dumps({shape: results[shape]}, indent=1), flush=True)
-        if "error" in results[shape]:
-            print(f"error: {shape}: {results[shape]['error']}", file=sys.stderr, flush=True)
+        results[key] = summarize(args, model, prompts, floors, megarl, trl)
+        print(json.dumps({key: results[key]}, indent=1), flush=True)
+        if "error" in results[key]:
+            print(f"error: {key}: {results[key]['error']}", file=sys.stderr, flush=True)
     every = write_json(args, floors, results)
     title = (f"{args.prompts} prompts x {args.n}, prompts {args.prompt_len[0]}-"
              f"{args.prompt_len[1]} tokens, responses log-normal(median {args.median:.0f}, sigma "
@@ -707,6 +576,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['gen_floor_fraction']:>10.1%}{r['old_log_prob_mfu']:>10.1%}"
               f"{r['update_actor_mfu']:>9.1%}{r['sync_copy_fraction']:>10.1%}"
               f"{r.get('trl_step_s', float('nan')):>8.2f}{r.get('megarl_over_trl', float('nan')):>7.1f}")
+    for shape, r in ran.items():
+        if "r3_cost" in r:
+            print(f"{shape}: step throughput {r['r3_throughput_ratio']:.3f}x the run without "
+                  f"R3 (R3 costs {r['r3_cost']:.1%})")
     print(f"wrote {args.out / 'e2e_step.json'} and {args.out / 'e2e_step.png'}")
     return 1 if any("error" in r for r in results.values()) else 0
 

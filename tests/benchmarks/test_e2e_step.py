@@ -155,6 +155,55 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
     assert "timing/release_rollout" in both["phases_not_run"]
     assert report["floors"]["matmul_flops"] > 0 and report["floors"]["copy_bytes_per_s"] > 0
     assert (tmp_path / "e2e_step.png").stat().st_size > 10_000
+    # R3 (issue 30): megarl's side again with the engine's routes replayed, reported as moe_r3
+    # next to moe, with the throughput it costs against it
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_step.py"), "--smoke",
+                           "--shape", "moe", "--trl", "off", "--router-replay", "R3",
+                           "--out", str(tmp_path)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "e2e_step.json").read_text())
+    assert report["results"]["moe"] == both  # the run without R3 stays as it was
+    r3 = report["results"]["moe_r3"]
+    assert r3["response_tokens"] == both["response_tokens"]  # the same forced lengths
+    assert r3["r3_throughput_ratio"] == pytest.approx(r3["step_tokens_per_s"]
+                                                      / both["step_tokens_per_s"])
+    assert r3["r3_cost"] == pytest.approx(1 - r3["r3_throughput_ratio"])
+    assert report["by_shape"]["moe_r3"]["settings"]["router_replay"] == "R3"
+    # the R3 run replayed the engine's routes (agreement 1); the other one asked for none
+    rows = [json.loads(line) for line in
+            (tmp_path / "moe" / "megarl_r3" / "steps.jsonl").read_text().splitlines()]
+    assert [row["rollout/moe/router_agreement"] for row in rows] == [1.0, 1.0]
+    rows = (tmp_path / "moe" / "megarl" / "steps.jsonl").read_text()
+    assert "router_agreement" not in rows
+
+
+def test_router_replay_needs_the_moe_shape_and_megarl_alone(capsys):
+    bench = load("e2e_step")
+    for argv, says in ((["--shape", "dense", "--router-replay", "R3", "--trl", "off"],
+                        "needs --shape moe (got --shape dense)"),
+                       (["--shape", "moe", "--router-replay", "R3"], "add --trl off")):
+        with pytest.raises(SystemExit):
+            bench.parse(argv)
+        assert says in capsys.readouterr().err
+
+
+def test_r3_cost_is_the_throughput_lost_against_the_run_without_r3(tmp_path):
+    bench = load("e2e_step")
+    args = bench.parse(["--shape", "moe", "--out", str(tmp_path), "--trl", "off"])
+    base = {"step_s": 10.0, "step_tokens_per_s": 1000.0, "gen_s": 4.0, "old_log_prob_s": 1.0,
+            "update_actor_s": 3.0, "sync_s": 0.5}
+    bench.write_json(args, {}, {"moe": base})
+    r3_args = bench.parse(["--shape", "moe", "--out", str(tmp_path), "--trl", "off",
+                           "--router-replay", "R3"])
+    slower = {**base, "step_s": 10.5, "step_tokens_per_s": 1000.0 / 1.05, "gen_s": 4.2}
+    every = bench.write_json(r3_args, {}, {"moe_r3": slower})
+    assert every["moe_r3"]["r3_throughput_ratio"] == pytest.approx(1 / 1.05)
+    assert every["moe_r3"]["r3_cost"] == pytest.approx(0.05 / 1.05)
+    assert every["moe_r3"]["r3_phase_ratios"]["gen_s"] == pytest.approx(1.05)
+    assert every["moe_r3"]["r3_phase_ratios"]["update_actor_s"] == 1.0
+    assert "r3_cost" not in every["moe"]
 
 
 def test_the_json_keeps_the_shapes_of_earlier_runs_into_the_same_out(tmp_path):

@@ -1,0 +1,54 @@
+"""The PNG of ``benchmarks/e2e_step.py``'s report: each shape's step as stacked phase seconds
+(megarl, and TRL's whole step with the ratio), and each phase's fraction of its floor."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
+    """Stacked phase seconds per shape (megarl, and TRL's whole step), and each phase's
+    fraction of its floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    phases = ["gen_s", "old_log_prob_s", "update_actor_s", "sync_s", "release_s", "resume_s",
+              "reward_s", "other_s"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    labels, x = [], 0
+    for shape, r in results.items():
+        bottom = 0.0
+        for i, phase in enumerate(phases):
+            value = max(0.0, r[phase])
+            left.bar(x, value, bottom=bottom, color=f"C{i}",
+                     label=phase.removesuffix("_s") if x == 0 else None)
+            bottom += value
+        labels.append(f"{shape}\nmegarl")
+        x += 1
+        if "trl_step_s" in r:
+            left.bar(x, r["trl_step_s"], color="#444444", label="TRL step" if x == 1 else None)
+            left.text(x, r["trl_step_s"], f"{r['megarl_over_trl']:.1f}x", ha="center",
+                      va="bottom")
+            labels.append(f"{shape}\nTRL")
+            x += 1
+    left.set_xticks(range(len(labels)), labels)
+    left.set_ylabel("seconds per step")
+    left.set_title("step breakdown")
+    left.legend(fontsize=8)
+    keys = [("gen_floor_fraction", "gen / floor"), ("old_log_prob_mfu", "old_lp MFU"),
+            ("update_actor_mfu", "update MFU"), ("sync_copy_fraction", "sync / copy")]
+    width = 0.8 / max(1, len(results))
+    for i, (shape, r) in enumerate(results.items()):
+        right.bar([k + i * width for k in range(len(keys))], [r[k] for k, _ in keys], width,
+                  label=shape)
+    right.set_xticks([k + width * (len(results) - 1) / 2 for k in range(len(keys))],
+                     [name for _, name in keys])
+    right.set_ylabel("fraction of the measured floor")
+    right.set_title("phases against their floors")
+    right.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
