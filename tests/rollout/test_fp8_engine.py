@@ -20,6 +20,7 @@ from megarl.rollout.local.fp8_layers import (
     dequantize_activations,
     expert_scale_view,
     fp8_matmul_reference,
+    padded_weight_scales,
     quantize_activations,
 )
 from megarl.rollout.local.launch import launch_local_engines
@@ -61,6 +62,20 @@ def test_the_w8a8_matmul_is_the_naive_blockwise_product_within_e4m3_rounding():
     error = (got - (x.double() @ weight.double().t())).abs()
     assert (error <= bound * 1.001 + 1e-6).all()
     assert error.max() > 0  # not an fp32 matmul in disguise
+
+
+@pytest.mark.parametrize("blocks_k", [3, 4, 6])
+def test_weight_scales_take_cublas_layout_for_the_128x128_recipe(blocks_k):
+    """The weight scales handed to ``torch.nn.functional.scaled_mm``: ``[L4, N/128]`` with the
+    K blocks contiguous and 16-byte aligned (L padded to a multiple of 4 with zeros), the
+    layout of torch's own block-scaled tests; every block's scale where cuBLAS reads it."""
+    scale_inv = torch.arange(1, 5 * blocks_k + 1, dtype=torch.float32).view(5, blocks_k)
+    laid_out = padded_weight_scales(scale_inv)
+    l4 = -(-blocks_k // 4) * 4
+    assert laid_out.shape == (l4, 5) and laid_out.stride() == (1, l4)
+    storage = laid_out.t()  # the memory cuBLAS reads: row n holds N-block n's K blocks
+    assert torch.equal(storage[:, :blocks_k], scale_inv)
+    assert not storage[:, blocks_k:].any()
 
 
 def test_fp8_linear_keeps_the_bias_and_the_shape():

@@ -13,10 +13,11 @@ of the two dequantized operands is accumulated in fp32:
 
 - :func:`fp8_matmul_reference` computes exactly that with fp32 torch ops: the CPU path, and
   the reference of the tests;
-- on CUDA, :func:`fp8_linear` uses ``torch._scaled_mm`` with DeepSeek's (1x128, 128x128)
-  block recipe (cuBLAS, SM90 and CUDA >= 12.9), after a one-time check against the reference
-  on this device; where that check fails the reference runs there too, and
-  :func:`gemm_backend` says which one runs and why.
+- on CUDA, :func:`fp8_linear` uses cuBLAS's block-scaled GEMM with DeepSeek's (1x128, 128x128)
+  recipe (SM90, CUDA >= 12.9) through ``torch.nn.functional.scaled_mm`` (or, in a torch without
+  it, ``torch._scaled_mm`` for weights whose K is a multiple of 512), after a one-time check
+  against the reference on this device; where that check fails the reference runs there too,
+  and :func:`gemm_backend` says which one runs and why.
 
 :class:`Fp8Linear` replaces an ``nn.Linear``; :class:`Fp8Experts` replaces transformers'
 fused expert block (``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``) and keeps its
@@ -77,18 +78,38 @@ def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
-def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """The same product through ``torch._scaled_mm``'s (1x128, 128x128) recipe; K and N must be
-    multiples of 128. cuBLAS wants the activation scales outer-dim-major, the weight scales
-    padded to a multiple of 4 block columns and transposed, and M a multiple of 4."""
+def padded_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
+    """cuBLAS's layout of 128x128 weight scales: ``[L4, N/128]`` with the K blocks contiguous,
+    L = ceil(K/128) padded to L4, a multiple of 4 (16-byte aligned columns)."""
+    blocks_n, blocks_k = scale_inv.shape
+    padded = scale_inv.new_zeros(blocks_n, -(-blocks_k // 4) * 4)
+    padded[:, :blocks_k] = scale_inv
+    return padded.t()
+
+
+def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+               api: str | None = None) -> torch.Tensor:
+    """The same product through cuBLAS's (1x128, 128x128) block recipe; K and N must be
+    multiples of 128. The activation scales go outer-dim-major (``[M, L]``, stride ``(1, M)``)
+    and M is padded to a multiple of 4. ``api``: ``"scaled_mm"`` is
+    ``torch.nn.functional.scaled_mm`` with the recipes named and the weight scales padded as
+    cuBLAS wants them; ``"_scaled_mm"`` is the older entry point, which infers the recipe from
+    the scales' exact shapes and strides and so cannot take padded ones: K / 128 must be a
+    multiple of 4 there (:func:`_fits`)."""
+    api = api or _Backend.api
     rows = x.shape[0]
     pad = -rows % 4
     quantized, scale = quantize_activations(F.pad(x, (0, 0, 0, pad)) if pad else x)
-    blocks_n, blocks_k = scale_inv.shape
-    weight_scale = scale_inv.new_zeros(blocks_n, -(-blocks_k // 4) * 4)
-    weight_scale[:, :blocks_k] = scale_inv
-    out = torch._scaled_mm(quantized, weight.t(), scale_a=scale.t().contiguous().t(),
-                           scale_b=weight_scale.t(), out_dtype=x.dtype)
+    scale_a = scale.t().contiguous().t()
+    if api == "scaled_mm":
+        from torch.nn.functional import ScalingType
+
+        out = F.scaled_mm(quantized, weight.t(), scale_a, ScalingType.BlockWise1x128,
+                          padded_weight_scales(scale_inv), ScalingType.BlockWise128x128,
+                          output_dtype=x.dtype)
+    else:
+        out = torch._scaled_mm(quantized, weight.t(), scale_a=scale_a, scale_b=scale_inv.t(),
+                               out_dtype=x.dtype)
     return out[:rows] if pad else out
 
 
@@ -97,26 +118,47 @@ class _Backend:
 
     lock = threading.Lock()
     scaled_mm: bool | None = None
+    api = ""
     reason = "not used yet"
 
 
+def _fits(n: int, k: int) -> bool:
+    """Whether the chosen block-scaled GEMM takes a weight ``[n, k]``."""
+    if n % GROUP or k % GROUP:
+        return False
+    return _Backend.api == "scaled_mm" or (k // GROUP) % 4 == 0
+
+
 def _probe(device: torch.device) -> None:
-    """Run ``_scaled_mm`` once on random data and compare it with the reference; on an error
-    or a mismatch every later matmul takes the reference path."""
+    """Run each block-scaled entry point once on random data and compare it with the reference:
+    ``torch.nn.functional.scaled_mm`` (where torch has it) on a K whose blocks need padding,
+    else ``torch._scaled_mm`` on one that needs none. The first that runs and agrees is used;
+    where none does, every later matmul takes the reference path, and :func:`gemm_backend`
+    says why."""
     generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(8, 256, generator=generator).to(device, torch.bfloat16)
-    weight, scale = quantize_blockwise(torch.randn(256, 256, generator=generator).to(device))
-    try:
-        got = _scaled_mm(x, weight, scale).float()
-    except (RuntimeError, NotImplementedError, TypeError) as err:
-        _Backend.scaled_mm, _Backend.reason = False, f"reference (torch._scaled_mm: {err})"
-        return
-    want = fp8_matmul_reference(x, weight, scale).float()
-    error = float((got - want).norm() / want.norm())
-    ok = error < 2e-2
-    _Backend.scaled_mm = ok
-    _Backend.reason = ("torch._scaled_mm (1x128, 128x128)" if ok else
-                       f"reference (torch._scaled_mm differs from it by {error:.3g} relative)")
+    failures = []
+    apis = (["scaled_mm"] if hasattr(F, "scaled_mm") else []) + ["_scaled_mm"]
+    for api in apis:
+        k = 384 if api == "scaled_mm" else 512
+        x = torch.randn(8, k, generator=generator).to(device, torch.bfloat16)
+        weight, scale = quantize_blockwise(torch.randn(256, k, generator=generator).to(device))
+        try:
+            got = _scaled_mm(x, weight, scale, api=api).float()
+        except (RuntimeError, NotImplementedError, TypeError) as err:
+            failures.append(f"{api}: {str(err).splitlines()[0]}")
+            continue
+        want = fp8_matmul_reference(x, weight, scale).float()
+        error = float((got - want).norm() / want.norm())
+        if error < 2e-2:
+            _Backend.scaled_mm, _Backend.api = True, api
+            _Backend.reason = ("torch.nn.functional.scaled_mm (1x128, 128x128)"
+                               if api == "scaled_mm" else
+                               "torch._scaled_mm (1x128, 128x128; weights with K a multiple "
+                               "of 512, the rest on the reference)")
+            return
+        failures.append(f"{api} differs from the reference by {error:.3g} relative")
+    _Backend.scaled_mm = False
+    _Backend.reason = f"reference ({'; '.join(failures)})"
 
 
 def gemm_backend(device: torch.device | str = "cuda") -> str:
@@ -133,7 +175,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
             with _Backend.lock:
                 if _Backend.scaled_mm is None:
                     _probe(x.device)
-        if _Backend.scaled_mm:
+        if _Backend.scaled_mm and _fits(n, k):
             out = _scaled_mm(x.reshape(-1, k), weight, scale_inv).view(*x.shape[:-1], n)
             return out if bias is None else out + bias
     return fp8_matmul_reference(x, weight, scale_inv, bias)
