@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from trainer_runs import (
     TOTAL_STEPS,
     assert_same_metrics,
+    demo_trainer,
     first_and_last_fifth,
     fit,
     run_metrics,
@@ -34,14 +35,28 @@ LORA = ("actor.lora.rank=8", "actor.lora.alpha=16",
          "experts.linear_fc2]"))
 
 
+@pytest.fixture(scope="module", autouse=True)
+def private_ray():
+    """One private local Ray for the module's in-process trainers: each attaches to it (and
+    releases its pools at close) instead of starting and stopping one of its own."""
+    import ray
+
+    from megarl.cluster import init_ray
+
+    init_ray("local", num_cpus=4)
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.parametrize("sync", ["merged", "adapter"])
 def test_lora_run_syncs_the_expert_adapters(demo_assets, expected, tmp_path, sync):
     """merged: the engine gets W + scale * B A under the HF names; adapter: it gets only the
     adapters, the routed experts' one per expert in SGLang's names, and applies them to its
-    base (the run's start) in its own expert loop."""
-    whole = tmp_path / "whole"
-    assert train(demo_assets, whole, *LORA, f"actor.lora.sync={sync}") == 0
-    metrics = run_metrics(whole)
+    base (the run's start) in its own expert loop. The run of ``megarl train`` that
+    ``expected`` holds, with LoRA, in this process."""
+    history = fit(demo_trainer(demo_assets, tmp_path / "whole", *LORA,
+                               f"actor.lora.sync={sync}"))
+    metrics = dict(enumerate(history, start=1))
     assert sorted(metrics) == list(range(1, TOTAL_STEPS + 1))
     for step, row in metrics.items():
         # the engine serves the trained adapters: it scores the samples as the actor does

@@ -48,6 +48,31 @@ def kill_tagged(tag: str) -> None:
                 proc.send_signal(signal.SIGKILL)
 
 
+def run_overrides(assets: Path, out: Path, total_steps: int = TOTAL_STEPS) -> list[str]:
+    """The settings of every run here: the demo's model and data, a checkpoint after each step
+    (resumed automatically), 8 prompts x 4 samples a step, a private Ray."""
+    return [f"model.path={assets / 'model'}",
+            f"data.train_files=[{assets / 'data/train.parquet'}]",
+            f"data.val_files=[{assets / 'data/val.parquet'}]",
+            f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
+            f"trainer.total_steps={total_steps}", "trainer.save_every=1", "trainer.resume=auto",
+            "trainer.keep_last=2", "trainer.phase_timeout_s=120", "ray.address=local",
+            "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
+            "actor.ppo_micro_batch_size_per_gpu=8"]
+
+
+def demo_trainer(assets: Path, out: Path, *overrides: str, total_steps: int = TOTAL_STEPS,
+                 config: Path = DEMO_CONFIG):
+    """The Trainer of :func:`start_train`'s run, in this process: where Ray is already up here
+    (a module's shared instance) it attaches to it instead of starting its own, and it needs no
+    interpreter, imports or Ray of its own (a few seconds of each test on 2 cores)."""
+    from megarl.config import load_config
+    from megarl.trainer import Trainer
+
+    cfg, sources = load_config(str(config), [*run_overrides(assets, out, total_steps), *overrides])
+    return Trainer(cfg, sources)
+
+
 def start_train(assets: Path, out: Path, *overrides: str, crash: str | None = None,
                 torchrun: bool = False, config: Path = DEMO_CONFIG,
                 total_steps: int = TOTAL_STEPS,
@@ -64,13 +89,7 @@ def start_train(assets: Path, out: Path, *overrides: str, crash: str | None = No
     launcher = [*TORCHRUN, "-m", "megarl.cli"] if torchrun else [sys.executable, "-m",
                                                                   "megarl.cli"]
     args = [*launcher, "train", "--config", str(config),
-            f"model.path={assets / 'model'}", f"data.train_files=[{assets / 'data/train.parquet'}]",
-            f"data.val_files=[{assets / 'data/val.parquet'}]",
-            f"trainer.output_dir={out}", "trainer.loggers=[jsonl]",
-            f"trainer.total_steps={total_steps}", "trainer.save_every=1", "trainer.resume=auto",
-            "trainer.keep_last=2", "trainer.phase_timeout_s=120", "ray.address=local",
-            "data.train_batch_size=8", "rollout.n=4", "actor.ppo_mini_batch_size=4",
-            "actor.ppo_micro_batch_size_per_gpu=8", *overrides]
+            *run_overrides(assets, out, total_steps), *overrides]
     out.parent.mkdir(parents=True, exist_ok=True)
     # a file, not a pipe: processes a crash leaves behind would hold a pipe open
     log = open(out.parent / f"{out.name}-{tag}.log", "w")  # noqa: SIM115 (closed by the child)
