@@ -228,9 +228,9 @@ class ActorConfig(Section):
     cuda_graphs: bool = Field(False, description=(
         "replay each training micro-batch's forward and backward from CUDA graphs captured per "
         "token bucket (GPU; needs parallel.pp=1, no router replay, no dropout); pays when the "
-        "step is bound by kernel launches, as with small or MoE models. So far micro-batches of "
-        "one sequence are captured; one of several sequences fails its capture on the H200 and "
-        "the update then runs eagerly (with a warning)"))
+        "step is bound by kernel launches, as with small or MoE models. Micro-batches of one or "
+        "several packed sequences are captured (H200); a capture that fails anyway runs that "
+        "update eagerly, with a warning"))
     cuda_graph_bucket_tokens: int = Field(1024, ge=1, description=(
         "with `cuda_graphs`: micro-batches are padded up to a multiple of this many tokens, "
         "one pair of graphs per multiple (at most 8, later shapes run eagerly)"))
