@@ -16,7 +16,8 @@ floor: the bf16 weights plus every running row's KV cache read once per decode s
 measured copy bandwidth), old_log_prob and update_actor (tokens/s, MFU against the measured bf16
 matmul rate), weight sync (seconds, GB/s of bf16 weights, fraction of the measured copy rate),
 release / resume (seconds) and the whole step (seconds, tokens/s); TRL: step seconds and tokens/s,
-and the ratio megarl / TRL. A JSON file and a PNG of the breakdown go to ``--out``.
+and the ratio megarl / TRL; each phase's memory estimate against its measured peak
+(``benchmarks/e2e_memory.py``). A JSON file and a PNG of the breakdown go to ``--out``.
 
 ``--router-replay R3`` runs megarl's side with ``actor.router_replay.mode=R3`` (the engine returns
 each token's routes, the actor replays them) and reports it as the shape ``moe_r3``; once the same
@@ -50,6 +51,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.e2e_memory import compare_estimates, write_estimates
 from benchmarks.e2e_plot import plot
 from benchmarks.e2e_trl import run_trl
 from megarl.data.tiny_model import ALPHABET, SPECIAL_TOKENS, build_tokenizer
@@ -300,6 +302,7 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
         f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}",
         f"actor.router_replay.mode={args.router_replay}", *args.set]
     cfg, sources = load_config(str(spec.config), overrides)
+    write_estimates(args.out / shape / side(args) / "estimates.json", cfg)
     if device == "cuda" and preflight_refuses(cfg, first=True):  # as `megarl train` does
         return {"refused": "the device preflight refused these settings (its lines above)"}
     if device == "cuda":  # what this driver keeps on the device is not megarl's: say it
@@ -424,6 +427,8 @@ def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
     out["phases_not_run"] = missing
     out["memory_gb"] = {k.removeprefix("perf/"): max(row[k] for row in m if k in row)
                         for k in sorted({k for row in m for k in row}) if k.startswith("perf/")}
+    out["memory_estimates"] = compare_estimates(model.parent / side(args) / "estimates.json",
+                                                out["memory_gb"], total_bytes)
     trained = out["trained_response_length"]
     if abs(trained - out["mean_response_length"]) > 1e-6 * out["mean_response_length"]:
         out["error"] = (f"megarl trained on responses of mean {trained:.1f} tokens, but the "
@@ -577,6 +582,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['update_actor_mfu']:>9.1%}{r['sync_copy_fraction']:>10.1%}"
               f"{r.get('trl_step_s', float('nan')):>8.2f}{r.get('megarl_over_trl', float('nan')):>7.1f}")
     for shape, r in ran.items():
+        print(f"{shape} memory, estimate / measured peak: " + ", ".join(
+            f"{phase} {e['estimate_gb']:.1f} / {e['measured_gb']:.1f} GiB ({e['ratio']:.2f})"
+            for phase, e in r.get("memory_estimates", {}).items() if e["measured_gb"]))
         if "r3_cost" in r:
             print(f"{shape}: step throughput {r['r3_throughput_ratio']:.3f}x the run without "
                   f"R3 (R3 costs {r['r3_cost']:.1%})")

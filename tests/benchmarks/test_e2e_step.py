@@ -127,6 +127,15 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
         proc.stdout[-2000:] + proc.stderr[-2000:])
     r = json.loads((tmp_path / "e2e_step.json").read_text())["results"]["moe"]
     assert r["step_s"] > 0 and r["gen_s"] > 0 and r["trained_response_length"] > 0
+    # each phase's estimate (as `megarl config show` gives it) against the actor's logged peak;
+    # the CPU smoke's engine has a pool of its own, so none of its weights is added to the sync
+    stored = json.loads((tmp_path / "moe" / "megarl" / "estimates.json").read_text())
+    assert stored["colocated"] is False
+    for phase in ("old_log_prob", "update_actor", "sync_weights"):
+        e = r["memory_estimates"][phase]
+        assert e["estimate_gb"] == stored["estimates_gb"][phase] > 0
+        assert e["measured_gb"] == r["memory_gb"][f"max_memory_allocated_gb/{phase}"] > 0
+        assert e["ratio"] == pytest.approx(e["estimate_gb"] / e["measured_gb"])
     assert (tmp_path / "moe" / "megarl" / "steps.jsonl").read_text().count("\n") == 2  # warm-up + 1
     pytest.importorskip("trl")
     env.pop("MEGARL_FAIL_AT")
@@ -226,3 +235,28 @@ def test_the_json_keeps_the_shapes_of_earlier_runs_into_the_same_out(tmp_path):
     assert report["results"] == {"moe": {"step_s": 71.0}, "dense": {"step_s": 88.0}}
     assert report["by_shape"]["moe"]["floors"] == {"matmul_flops": 3.0}
     assert report["by_shape"]["dense"]["floors"] == {"matmul_flops": 2.0}
+
+
+def test_estimates_are_held_against_the_peaks_of_their_phases(tmp_path):
+    """A colocated run: the sync's estimate counts the engine's weights, so its measured side
+    is the actor's peak plus those; the others are the actor's peaks alone; 25% either way is
+    within the bound; generation's estimate has no measured side in the actor's metrics.
+    (The numbers: the H200's MoE run of 2026-12-05.)"""
+    from benchmarks.e2e_memory import GIB, compare_estimates
+
+    path = tmp_path / "estimates.json"
+    path.write_text(json.dumps({"estimates_gb": {"gen": 120.0, "old_log_prob": 12.73,
+                                                 "update_actor": 98.59, "sync_weights": 21.14},
+                                "colocated": True}))
+    memory = {"max_memory_allocated_gb/old_log_prob": 12.82,
+              "max_memory_allocated_gb/update_actor": 112.2,
+              "max_memory_allocated_gb/sync_weights": 11.79, "device_used_gb": 120.9}
+    got = compare_estimates(path, memory, engine_weight_bytes=int(10.44 * GIB))
+    assert got["sync_weights"]["measured_gb"] == pytest.approx(11.79 + 10.44)
+    assert got["sync_weights"]["ratio"] == pytest.approx(21.14 / 22.23)
+    assert got["update_actor"]["ratio"] == pytest.approx(98.59 / 112.2)
+    assert all(got[p]["within_bound"] for p in ("old_log_prob", "update_actor", "sync_weights"))
+    assert got["gen"]["measured_gb"] is None
+    memory["max_memory_allocated_gb/update_actor"] = 98.59 / 0.74  # 26% under: out of bound
+    assert not compare_estimates(path, memory, 0)["update_actor"]["within_bound"]
+    assert compare_estimates(tmp_path / "missing.json", memory, 0) == {}
