@@ -98,6 +98,10 @@ class ActorWorker(Worker):
         self._move(self.offloader, "offload", spec.offload.parts())  # before engines start
         self.moving_seconds = dict.fromkeys(self.moving_seconds, 0.0)  # not a step's time
         settle_long_lived_objects()  # later hand-offs and saves collect only newer objects
+        # what building the model and offloading freed goes back to the driver: colocated
+        # engines start next and size their KV cache to what is free (the H200's dense run
+        # kept 18 GB reserved here through step 1's generation, which ran out of memory)
+        free_cached_memory()
 
     def _phase(self, name: str) -> contextlib.AbstractContextManager[None]:
         """A phase of this rank: its peak memory is recorded, an OOM names phase and knobs."""
