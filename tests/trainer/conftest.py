@@ -19,6 +19,19 @@ def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def private_ray():
+    """One private local Ray for a module's in-process trainers (``pytestmark``): each attaches
+    to it (and releases its pools at close) instead of starting and stopping one of its own."""
+    import ray
+
+    from megarl.cluster import init_ray
+
+    init_ray("local", num_cpus=4)
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def reference_run(demo_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The output directory of an uninterrupted ``megarl train`` on Ray (trainer_runs' run)."""

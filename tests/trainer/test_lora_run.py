@@ -34,18 +34,7 @@ LORA = ("actor.lora.rank=8", "actor.lora.alpha=16",
         ("actor.lora.target_modules=[linear_qkv,linear_proj,experts.linear_fc1,"
          "experts.linear_fc2]"))
 
-
-@pytest.fixture(scope="module", autouse=True)
-def private_ray():
-    """One private local Ray for the module's in-process trainers: each attaches to it (and
-    releases its pools at close) instead of starting and stopping one of its own."""
-    import ray
-
-    from megarl.cluster import init_ray
-
-    init_ray("local", num_cpus=4)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("private_ray")
 
 
 @pytest.mark.parametrize("sync", ["merged", "adapter"])

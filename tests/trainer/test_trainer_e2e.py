@@ -24,23 +24,12 @@ REQUIRED = [
     "training/rollout_probs_diff_max",
 ]
 
+pytestmark = pytest.mark.usefixtures("private_ray")
+
 
 @pytest.fixture(scope="module")
 def assets(demo_assets) -> Path:
     return demo_assets
-
-
-@pytest.fixture(scope="module", autouse=True)
-def private_ray():
-    """One private local Ray for the module: each test's trainer attaches to it (and releases its
-    pools at close) instead of starting and stopping one of its own."""
-    import ray
-
-    from megarl.cluster import init_ray
-
-    init_ray("local", num_cpus=4)
-    yield
-    ray.shutdown()
 
 
 def make_trainer(root: Path, out: Path, *overrides: str) -> Trainer:

@@ -122,10 +122,9 @@ class _Backend:
     reason = "not used yet"
 
 
-def _fits(n: int, k: int) -> bool:
-    """Whether the chosen block-scaled GEMM takes a weight ``[n, k]``."""
-    if n % GROUP or k % GROUP:
-        return False
+def _fits(k: int) -> bool:
+    """Whether the chosen block-scaled GEMM takes a weight of ``k`` inputs (a multiple of 128):
+    ``torch._scaled_mm`` only unpadded scales, K / 128 a multiple of 4."""
     return _Backend.api == "scaled_mm" or (k // GROUP) % 4 == 0
 
 
@@ -175,7 +174,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
             with _Backend.lock:
                 if _Backend.scaled_mm is None:
                     _probe(x.device)
-        if _Backend.scaled_mm and _fits(n, k):
+        if _Backend.scaled_mm and _fits(k):
             out = _scaled_mm(x.reshape(-1, k), weight, scale_inv).view(*x.shape[:-1], n)
             return out if bias is None else out + bias
     return fp8_matmul_reference(x, weight, scale_inv, bias)
