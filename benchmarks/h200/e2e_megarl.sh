@@ -25,5 +25,11 @@ for f in /tmp/e2e/$shape/$side/logs/*.log; do
   [ -f "$f" ] && tail -400 "$f" > /tmp/e2e_logs_$name/$(basename "$f"); done
 tar czf $OUT/logs_$name.tgz -C /tmp e2e_logs_$name 2>/dev/null
 kill $monitor 2>/dev/null
+# issue 29's GPU test of the estimates: every phase within 25% of this run's measured peak
+if [ $rc = 0 ] && [ "${R3:-0}" != 1 ]; then
+  MEGARL_E2E_STEP_JSON=/tmp/e2e/e2e_step.json timeout 60 python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_e2e_estimates_gpu.py -k "$shape" > $OUT/estimates_test_$name.log 2>&1
+  echo "estimates test rc=$?"; tail -5 $OUT/estimates_test_$name.log
+fi
 nvidia-smi --query-gpu=memory.used --format=csv
 exit $rc
