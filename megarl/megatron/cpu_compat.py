@@ -4,7 +4,9 @@ megatron-core assumes CUDA in a handful of places. On a machine where
 ``torch.cuda.is_available()`` is False, :func:`enable` maps each of them to the CPU; where CUDA is
 available it does nothing at all. Every touchpoint, in the order it is hit (the unbound
 ``te_general_gemm`` name, which breaks MoE routers without TransformerEngine on GPUs as well, is
-handled by :func:`megarl.megatron.native_spec.bind_missing_te_names`):
+handled by :func:`megarl.megatron.native_spec.bind_missing_te_names`; megatron's
+``torch.compile``-decorated fusions run eagerly without CUDA, set up at import by
+:class:`megarl.megatron.EagerFusionsWithoutCuda`):
 
 1. ``torch.cuda.current_device()`` is called in ~60 places and its result passed as a device
    (rotary ``inv_freq.to(...)``, all-gather buffers, the router moving its weight on the first

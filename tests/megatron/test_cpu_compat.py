@@ -104,3 +104,37 @@ def test_rng_tracker_seeds_per_tp_rank(pool2):
     rank0, rank1 = pool2.run(rng_tracker_per_tp_rank)
     assert rank0[0] == rank1[0]
     assert rank0[1] != rank1[1]
+
+
+FUSIONS_PROBE = """
+import sys
+{before}
+import megarl.megatron
+from megatron.core import jit
+from megatron.core.fusions import fused_bias_swiglu
+from megatron.core.transformer.moe.router import TopKRouter
+print(jit.jit_fuser is jit.noop_decorator,
+      type(fused_bias_swiglu.swiglu).__name__,
+      type(TopKRouter.__dict__["_apply_expert_bias"]).__name__,
+      "torch._inductor.compile_fx" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("before, expected", [
+    # megarl.megatron first (every megarl process): the fusions are plain functions, Inductor's
+    # compiler is never imported
+    ("", "True function function False"),
+    # megatron-core imported before megarl: torch.compile wrapped them, and megarl leaves them
+    ("import megatron.core", "False"),
+])
+def test_megatrons_fusions_run_eagerly_without_cuda(before, expected):
+    """Without CUDA, megatron's ``jit_fuser`` (``torch.compile``) is disabled before any fusion
+    binds it: ~1 s of CPU per process for Dynamo and Inductor's imports and compile machinery,
+    for functions that compile to nothing on a CPU. A fresh interpreter: the hook acts once."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c",
+                          FUSIONS_PROBE.format(before=before)],
+                         capture_output=True, text=True, check=True, timeout=120).stdout.split()
+    assert " ".join(out[:len(expected.split())]) == expected, out
