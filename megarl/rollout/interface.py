@@ -16,9 +16,10 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
+if TYPE_CHECKING:  # annotations only: the rollout pool's supervisors need no torch
+    import torch
 
 FinishReason = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
