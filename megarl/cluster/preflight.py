@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
@@ -111,13 +112,12 @@ def check_paths_here(checks: Sequence[PathCheck]) -> tuple[str, list[tuple[str, 
 def check_paths_on_nodes(checks: Sequence[PathCheck], timeout_s: float = 60.0) -> int:
     """Run :func:`check_paths_here` on every alive Ray node, one pinned task each; raise
     :class:`NodePathError` with one line per (node, path) that fails. Returns the node count."""
-    import ray
 
     refs = _pinned_on_each_node(check_paths_here, list(checks))
     lines = []
-    for ip, ref in refs.items():
+    for ip, result in refs.items():
         try:
-            host, problems = ray.get(ref, timeout=timeout_s)
+            host, problems = result(timeout_s)
         except Exception as err:  # noqa: BLE001 - a node that cannot run the check is a problem
             lines.append(f"node {ip}: the input check did not run ({type(err).__name__}: "
                          f"{err}) — fix: check that the node is healthy (ray status)")
@@ -139,15 +139,48 @@ def run_input_checks(files: Mapping[str, Sequence[str]], model_paths: Mapping[st
     return check_paths_on_nodes(checks)
 
 
-def _pinned_on_each_node(fn: Callable[..., Any], *args: Any) -> dict[str, Any]:
-    """``fn(*args)`` as one task pinned to each alive node: node IP -> object ref."""
+def _pinned_on_each_node(fn: Callable[..., Any], *args: Any
+                         ) -> dict[str, Callable[[float], Any]]:
+    """``fn(*args)`` on each alive node: node IP -> a getter (its argument: a timeout in
+    seconds) of the result, which raises what the run raised. The driver's own node runs it
+    here, at once (a pinned task would start a Ray worker for it: ~1 s of CPU); every other
+    node as one pinned task."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    here = ray.get_runtime_context().get_node_id()
     task = ray.remote(num_cpus=0, max_retries=0)(fn)
-    return {n["NodeManagerAddress"]: task.options(scheduling_strategy=(
-        NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))).remote(*args)
-        for n in ray.nodes() if n.get("Alive")}
+    getters: dict[str, Callable[[float], Any]] = {}
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        if node["NodeID"] == here:
+            getters[node["NodeManagerAddress"]] = _ran_here(fn, *args)
+            continue
+        ref = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+            node["NodeID"], soft=False)).remote(*args)
+        getters[node["NodeManagerAddress"]] = functools.partial(_get, ref)
+    return getters
+
+
+def _get(ref: Any, timeout_s: float) -> Any:
+    import ray
+
+    return ray.get(ref, timeout=timeout_s)
+
+
+def _ran_here(fn: Callable[..., Any], *args: Any) -> Callable[[float], Any]:
+    """A getter of ``fn(*args)`` run now in this process (its error raised by the getter)."""
+    try:
+        value = fn(*args)
+    except Exception as err:  # noqa: BLE001 - raised where a task's would be
+        error = err  # the name ``err`` is unbound after this block
+
+        def fail(timeout_s: float) -> Any:
+            raise error
+
+        return fail
+    return lambda timeout_s: value
 
 
 def _gpu_memory_here(read: Callable[[], FreeMemory]) -> tuple[str, FreeMemory]:
@@ -159,16 +192,15 @@ def gpu_memory_on_nodes(read: Callable[[], FreeMemory] | None = None, timeout_s:
     """Every alive node's GPUs, ``read`` there (default: every GPU ``nvidia-smi`` lists,
     :func:`~megarl.memory_preflight.read_node_free_memory`), labelled ``node HOST (IP) GPU i``;
     and one line per node whose reading failed."""
-    import ray
 
     from megarl.memory_preflight import read_node_free_memory
 
     refs = _pinned_on_each_node(_gpu_memory_here, read or read_node_free_memory)
     found: FreeMemory = {}
     failed = []
-    for ip, ref in refs.items():
+    for ip, result in refs.items():
         try:
-            host, gpus = ray.get(ref, timeout=timeout_s)
+            host, gpus = result(timeout_s)
         except Exception as err:  # noqa: BLE001 - reported, the check goes on without it
             failed.append(f"preflight: node {ip}: its GPUs could not be read "
                           f"({type(err).__name__}: {str(err)[:200]})")
@@ -268,13 +300,12 @@ def host_memory_on_nodes(read: Callable[[], tuple[int, int, str]] | None = None,
                          timeout_s: float = 120.0) -> tuple[list[HostMemory], list[str]]:
     """Every alive node's host memory, ``read`` there (default :func:`read_host_memory`); and
     one line per node whose reading failed."""
-    import ray
 
     refs = _pinned_on_each_node(_host_memory_here, read or read_host_memory)
     found, failed = [], []
-    for ip, ref in refs.items():
+    for ip, result in refs.items():
         try:
-            host, (available, total, source) = ray.get(ref, timeout=timeout_s)
+            host, (available, total, source) = result(timeout_s)
         except Exception as err:  # noqa: BLE001 - reported, the check goes on without it
             failed.append(f"preflight: node {ip}: its host memory could not be read "
                           f"({type(err).__name__}: {str(err)[:200]})")

@@ -137,8 +137,13 @@ def init_ray(
         logger.info("ray.num_cpus unset: using SLURM_CPUS_ON_NODE=%d", num_cpus)
     try:
         # "local": a new instance even where `ray start` left an address for ray.init to join.
+        # No prestarted idle workers: megarl's workers carry a runtime env (their environment
+        # variables), so Ray starts a worker of their own for each and an idle default worker
+        # would only cost its start (~1 s of CPU) and memory.
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=include_dashboard,
-                 namespace=namespace, _system_config={"worker_niceness": 0})
+                 namespace=namespace, _system_config={
+                     "worker_niceness": 0, "enable_worker_prestart": False,
+                     "prestart_worker_first_driver": False})
     except Exception as err:
         existing = find_local_ray()
         hint = (_how_to_stop(existing) if existing else

@@ -105,9 +105,10 @@ def test_failed_start_leaves_no_actor_or_placement_group(ray_runtime, assets, tm
 
 
 def test_memory_preflight_reads_every_node_and_names_the_gpu(ray_runtime, assets, tmp_path):
-    """The per-node check runs a pinned task on each node (here one) and holds every phase
-    against the GPU with the least free memory, labelled by node. This machine has no GPU: the
-    node-side reading is given (the Ray plumbing, the estimates and the verdict are real)."""
+    """The per-node check reads each node (the driver's own in the driver, any other by a pinned
+    task) and holds every phase against the GPU with the least free memory, labelled by node.
+    This machine has no GPU: the node-side reading is given (the Ray plumbing, the estimates and
+    the verdict are real). A reading that fails is a line of its own, with its error."""
     from megarl.cluster.preflight import NodeMemoryError
     from megarl.trainer.workers import check_memory_on_nodes
 
@@ -119,6 +120,13 @@ def test_memory_preflight_reads_every_node_and_names_the_gpu(ray_runtime, assets
     assert len(lines) == 2 and lines[0].startswith("preflight on every node: every phase fits")
     assert f"({node_ip}) GPU 0, 70.0 GB, of 2 GPU(s)" in lines[0]
     assert lines[1].startswith("preflight on every node: host memory fits on every node")
+    from megarl.cluster.preflight import gpu_memory_on_nodes
+
+    def broken() -> dict:
+        raise OSError("nvidia-smi: not found")
+
+    assert gpu_memory_on_nodes(broken) == ({}, [
+        f"preflight: node {node_ip}: its GPUs could not be read (OSError: nvidia-smi: not found)"])
     busy = lambda: {"GPU 0": (70 * GB, 80 * GB), "GPU 1": (1 << 20, 80 * GB)}  # noqa: E731
     with pytest.raises(NodeMemoryError) as err:
         check_memory_on_nodes(cfg, read=busy, read_host=host)
