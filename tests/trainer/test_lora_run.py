@@ -3,7 +3,7 @@ engine, Ray) trains adapters on the attention and the routed experts and syncs t
 weights or the adapters alone; and (``slow``) a run killed mid-update
 and resumed from its checkpoint logs the same per-step metrics as an uninterrupted one.
 ``megarl demo --lora`` (a tiny dense Qwen3, adapters on every linear layer): two steps train
-the adapters alone and the engine serves their merge; and (``slow``) the whole demo learns for
+the adapters alone and the engine serves them; and (``slow``) the whole demo learns for
 two seeds."""
 
 from __future__ import annotations
@@ -88,35 +88,6 @@ def lora_demo_trainer(tmp_path: Path, seed: int, *overrides: str) -> Trainer:
     return Trainer(cfg, sources)
 
 
-def test_the_lora_demo_trains_adapters_on_a_frozen_base(tmp_path):
-    """Two steps of `megarl demo --lora`: the engine scores the samples as the actor does, and the
-    merged weights it is sent differ from the random model's by a rank <= 16 update on every
-    linear layer and not at all elsewhere (embeddings, output layer, norms: frozen)."""
-    trainer = lora_demo_trainer(tmp_path, 0, "trainer.total_steps=2")
-    try:
-        trainer.setup()
-        history = trainer.fit()
-        merged = trainer.workers.actor.execute_all("hf_state_dict")[0]
-    finally:
-        trainer.close()
-    for step, metrics in enumerate(history, start=1):
-        # the random model's logits at initializer_range 0.1 span more than at 0.02: ~1e-6
-        assert metrics["training/rollout_probs_diff_max"] < 1e-5, step
-        assert metrics["rollout/weight_version"] == step
-    start = load_file(tmp_path / "assets" / "model" / "model.safetensors")
-    assert sorted(merged) == sorted(start)
-    adapted = [name for name in start if name.endswith(tuple(f"{a}.weight" for a in ADAPTED))]
-    assert len(adapted) == 2 * len(ADAPTED)
-    for name, weight in start.items():
-        if name not in adapted:
-            assert torch.equal(merged[name], weight), name
-            continue
-        delta = merged[name].double() - weight.double()
-        singular = torch.linalg.svdvals(delta)
-        assert singular[0] > 1e-3, name  # the adapter moved
-        assert singular[16] < 1e-5 * singular[0], (name, singular[:18])  # by B @ A, rank 16
-
-
 @pytest.mark.slow  # 2 x 50 steps, about a minute each on 2 cores
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_lora_demo_learns(seed, tmp_path):
@@ -130,17 +101,22 @@ def test_the_lora_demo_learns(seed, tmp_path):
     assert max(m["training/rollout_probs_diff_max"] for m in history) < 1e-5
 
 
-def test_the_adapter_sync_sends_only_the_adapters_and_the_engine_serves_them(tmp_path):
-    """``actor.lora.sync=adapter`` on the LoRA demo: each sync loads the actor's adapters
-    into the engine as ``policy-v<step>`` and every request names it; the engine's base weights
-    stay the random model's, yet it scores the samples as the actor does (it applies the
-    trained adapters), and a sync moves the adapters' bytes only."""
+def test_the_lora_demo_trains_adapters_on_a_frozen_base_and_syncs_only_them(tmp_path):
+    """Two steps of `megarl demo --lora` with ``actor.lora.sync=adapter``: each sync loads the
+    actor's adapters into the engine as ``policy-v<step>`` and every request names it; the
+    engine's base weights stay the random model's, yet it scores the samples as the actor does
+    (it applies the trained adapters), and a sync moves the adapters' bytes only. The actor's
+    merged export (what ``sync=merged`` sends; that sync runs in
+    ``test_lora_run_syncs_the_expert_adapters``) differs from the random model's by a rank <= 16
+    update on every linear layer and not at all elsewhere (embeddings, output layer, norms:
+    frozen)."""
     trainer = lora_demo_trainer(tmp_path, 0, "trainer.total_steps=2", "actor.lora.sync=adapter")
     try:
         trainer.setup()
         history = trainer.fit()
         assert trainer.workers.client.lora_path == "policy-v2"
         config, tensors = trainer.workers.actor.execute_all("lora_adapter")[0]
+        merged = trainer.workers.actor.execute_all("hf_state_dict")[0]
         name = "model.layers.0.self_attn.q_proj.weight"
         held = trainer.run(trainer.workers.client.get_weights_by_name(name, 10**9))[0]
     finally:
@@ -151,10 +127,22 @@ def test_the_adapter_sync_sends_only_the_adapters_and_the_engine_serves_them(tmp
     adapter_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     assert adapter_bytes < 0.5 * sum(t.numel() * t.element_size() for t in start.values())
     for step, metrics in enumerate(history, start=1):
+        # the random model's logits at initializer_range 0.1 span more than at 0.02: ~1e-6
         assert metrics["training/rollout_probs_diff_max"] < 1e-5, step
         assert metrics["rollout/weight_version"] == step
         assert metrics["checkpoint_engine/bytes"] == adapter_bytes
     assert history[1]["actor/pg_loss"] != history[0]["actor/pg_loss"]
+    assert sorted(merged) == sorted(start)
+    adapted = [name for name in start if name.endswith(tuple(f"{a}.weight" for a in ADAPTED))]
+    assert len(adapted) == 2 * len(ADAPTED)
+    for name, weight in start.items():
+        if name not in adapted:
+            assert torch.equal(merged[name], weight), name
+            continue
+        delta = merged[name].double() - weight.double()
+        singular = torch.linalg.svdvals(delta)
+        assert singular[0] > 1e-3, name  # the adapter moved
+        assert singular[16] < 1e-5 * singular[0], (name, singular[:18])  # by B @ A, rank 16
 
 
 @pytest.mark.parametrize("mode", ["one_step_off", "fully_async"])
