@@ -77,8 +77,10 @@ class RolloutConfig(Section):
         "(SGLang `max_running_requests`); auto = the sequences each engine receives per step, "
         "capped by the KV cache that fits (the number `megarl config show` prints)"))
     gpu_memory_utilization: float = Field(0.8, gt=0, le=1, description=(
-        "fraction of GPU memory an engine may use for weights + KV cache (SGLang "
-        "`mem_fraction_static`; the embedded engine admits rows only while their KV cache at "
+        "SGLang's `mem_fraction_static`: an engine's KV cache gets what is free on its GPU "
+        "after its weights load, less 1 - this fraction of what was free before they did "
+        "(memory a colocated actor still holds is not the engine's); the embedded engine "
+        "sizes it the same way and admits rows only while their KV cache at "
         "full length fits what it leaves next to the weights; a decode or prefill that still "
         "runs out of device memory is retracted, its KV budget shrunk to 3/4 of what the cache "
         "held, and rerun to the same tokens; after 3 failures in a row `/generate` answers 500 "

@@ -454,9 +454,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-prefill-tokens", type=int, default=16384,
                    help="padded prompt tokens prefilled in one step")
     p.add_argument("--mem-fraction-static", type=float, default=None,
-                   help="fraction of the GPU's memory for weights + KV cache, as in SGLang "
-                        f"(default {DEFAULT_MEM_FRACTION}); the KV cache gets what the weights "
-                        "leave of it. GPU only")
+                   help="as in SGLang: the KV cache gets what is free after the weights "
+                        "loaded, less 1 - this fraction of what was free before they did "
+                        f"(default {DEFAULT_MEM_FRACTION}). GPU only")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV token slots the cache may hold (overrides --mem-fraction-static; "
                         "default: from it on a GPU, unlimited on the CPU)")
@@ -481,11 +481,12 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     """Load the model and start the engine thread; ``api_key`` guards every endpoint. It leaves
     the calling process's torch settings alone (``--num-threads`` is applied by
     :func:`serve_main`, which owns its process)."""
+    free_before_load = _free_device_memory(args.device)
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                          context_length=args.context_length,
                          trust_remote_code=args.trust_remote_code,
                          quantization=args.quantization, enable_lora=args.enable_lora)
-    budget = kv_token_budget(args, runner)
+    budget = kv_token_budget(args, runner, free_before_load)
     engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
                          max_prefill_tokens=args.max_prefill_tokens,
                          weight_version=args.weight_version, seed=args.random_seed,
@@ -504,10 +505,28 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     return state
 
 
-def kv_token_budget(args: argparse.Namespace, runner: ModelRunner) -> int | None:
-    """The KV token slots the engine may hold: ``--max-total-tokens``, else on a GPU what
-    ``--mem-fraction-static`` of its memory leaves next to the weights (SGLang's definition:
-    weights + KV pool over the GPU's capacity), else None (no limit on the CPU)."""
+def _free_device_memory(device: str | None) -> int | None:
+    """Free bytes on the CUDA device the engine loads onto (None off CUDA)."""
+    if not device or not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info(torch.device(device))[0]
+
+
+def kv_slots(free_before_load: int, free_after_load: int, fraction: float,
+             bytes_per_token: int) -> int:
+    """SGLang's KV pool size (``ModelRunner.profile_max_num_token``, sglang 0.5.10): what is
+    free after the weights loaded, less ``1 - mem_fraction_static`` of what was free before
+    they did (the headroom for activations and graphs), in token slots. Memory other processes
+    hold (a colocated actor's parameters) is never counted as the engine's."""
+    rest = free_after_load - free_before_load * (1 - fraction)
+    return int(rest // bytes_per_token)
+
+
+def kv_token_budget(args: argparse.Namespace, runner: ModelRunner,
+                    free_before_load: int | None = None) -> int | None:
+    """The KV token slots the engine may hold: ``--max-total-tokens``, else on a GPU SGLang's
+    sizing from ``--mem-fraction-static`` (:func:`kv_slots`; ``free_before_load``: the free
+    device bytes measured before the model loaded), else None (no limit on the CPU)."""
     if args.max_total_tokens is not None:
         if args.max_total_tokens < 1:
             raise ValueError(f"--max-total-tokens {args.max_total_tokens}: must be >= 1")
@@ -519,16 +538,21 @@ def kv_token_budget(args: argparse.Namespace, runner: ModelRunner) -> int | None
     fraction = DEFAULT_MEM_FRACTION if args.mem_fraction_static is None else args.mem_fraction_static
     if not 0 < fraction <= 1:
         raise ValueError(f"--mem-fraction-static {fraction}: must be in (0, 1]")
-    total = torch.cuda.mem_get_info(runner.device)[1]
+    free_after, total = torch.cuda.mem_get_info(runner.device)
     weights = runner.weight_bytes()
-    budget = int((total * fraction - weights) // runner.kv_bytes_per_token)
+    if free_before_load is None:
+        free_before_load = free_after + weights
+    budget = kv_slots(free_before_load, free_after, fraction, runner.kv_bytes_per_token)
     if budget < 1:
         raise ValueError(
-            f"--mem-fraction-static {fraction}: {total * fraction / GB:.1f} GB of the GPU's "
-            f"{total / GB:.1f} GB leave no room for a KV cache next to {weights / GB:.1f} GB of "
-            "weights; raise it (rollout.gpu_memory_utilization) or use more GPUs per engine")
-    logger.info("KV cache: %d token slots (%.1f GB, --mem-fraction-static %.2f)", budget,
-                budget * runner.kv_bytes_per_token / GB, fraction)
+            f"--mem-fraction-static {fraction}: of the {free_before_load / GB:.1f} GB free on "
+            f"the GPU ({total / GB:.1f} GB, the rest held by other processes) before the "
+            f"{weights / GB:.1f} GB of weights loaded, {1 - fraction:.2f} stays free for "
+            "activations, which leaves no room for a KV cache; raise it "
+            "(rollout.gpu_memory_utilization), free the GPU or use more GPUs per engine")
+    logger.info("KV cache: %d token slots (%.1f GB, --mem-fraction-static %.2f of %.1f GB free "
+                "before the weights loaded)", budget, budget * runner.kv_bytes_per_token / GB,
+                fraction, free_before_load / GB)
     return budget
 
 
