@@ -237,6 +237,8 @@ def measure(
                 start = time.perf_counter()
                 method([min(n, 8) for n in lengths] if warm and name == "hf_generate" else lengths)
                 sync(device)
+                print(f"  {scenario} {name} {'warm-up' if warm else f'round {round_}'}: "
+                      f"{time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
                 if not warm:
                     best[scenario][name] = min(best[scenario][name], time.perf_counter() - start)
     return {s: {m: sum(scenarios[s]) / t for m, t in by.items()} for s, by in best.items()}
