@@ -12,7 +12,7 @@ import types
 import pytest
 import sglang_ref
 
-from megarl.rollout.local.server import kv_slots
+from megarl.rollout.local.kv_cache import kv_slots
 
 GIB = 2**30
 MIXIN = "srt/model_executor/model_runner_kv_cache_mixin.py"

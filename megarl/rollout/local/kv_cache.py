@@ -103,3 +103,13 @@ class StaticKVCache:
         """Drop the buffers."""
         self.keys, self.values = [], []
         self.rows_cap = self.len_cap = 0
+
+
+def kv_slots(free_before_load: int, free_after_load: int, fraction: float,
+             bytes_per_token: int) -> int:
+    """SGLang's KV pool size (``ModelRunner.profile_max_num_token``, sglang 0.5.10): what is
+    free after the weights loaded, less ``1 - mem_fraction_static`` of what was free before
+    they did (the headroom for activations and graphs), in token slots. Memory other processes
+    hold (a colocated actor's parameters) is never counted as the engine's."""
+    rest = free_after_load - free_before_load * (1 - fraction)
+    return int(rest // bytes_per_token)

@@ -47,6 +47,7 @@ from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.checkpoint_engine import CheckpointEndpoint
 from megarl.rollout.local.engine import MEMORY_TAGS, OOM_RETRIES, LocalEngine
 from megarl.rollout.local.engine import Request as EngineRequest
+from megarl.rollout.local.kv_cache import kv_slots
 from megarl.rollout.local.launch import API_KEY_ENV, is_loopback_host
 from megarl.rollout.local.lora_endpoints import NOT_ENABLED, add_lora_routes
 from megarl.rollout.local.lora_serving import AdapterError
@@ -512,20 +513,10 @@ def _free_device_memory(device: str | None) -> int | None:
     return torch.cuda.mem_get_info(torch.device(device))[0]
 
 
-def kv_slots(free_before_load: int, free_after_load: int, fraction: float,
-             bytes_per_token: int) -> int:
-    """SGLang's KV pool size (``ModelRunner.profile_max_num_token``, sglang 0.5.10): what is
-    free after the weights loaded, less ``1 - mem_fraction_static`` of what was free before
-    they did (the headroom for activations and graphs), in token slots. Memory other processes
-    hold (a colocated actor's parameters) is never counted as the engine's."""
-    rest = free_after_load - free_before_load * (1 - fraction)
-    return int(rest // bytes_per_token)
-
-
 def kv_token_budget(args: argparse.Namespace, runner: ModelRunner,
                     free_before_load: int | None = None) -> int | None:
     """The KV token slots the engine may hold: ``--max-total-tokens``, else on a GPU SGLang's
-    sizing from ``--mem-fraction-static`` (:func:`kv_slots`; ``free_before_load``: the free
+    sizing from ``--mem-fraction-static`` (``kv_cache.kv_slots``; ``free_before_load``: the free
     device bytes measured before the model loaded), else None (no limit on the CPU)."""
     if args.max_total_tokens is not None:
         if args.max_total_tokens < 1:
