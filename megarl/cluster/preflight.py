@@ -110,9 +110,8 @@ def check_paths_here(checks: Sequence[PathCheck]) -> tuple[str, list[tuple[str, 
 
 
 def check_paths_on_nodes(checks: Sequence[PathCheck], timeout_s: float = 60.0) -> int:
-    """Run :func:`check_paths_here` on every alive Ray node, one pinned task each; raise
+    """Run :func:`check_paths_here` on every alive Ray node (:func:`_pinned_on_each_node`); raise
     :class:`NodePathError` with one line per (node, path) that fails. Returns the node count."""
-
     refs = _pinned_on_each_node(check_paths_here, list(checks))
     lines = []
     for ip, result in refs.items():
@@ -192,7 +191,6 @@ def gpu_memory_on_nodes(read: Callable[[], FreeMemory] | None = None, timeout_s:
     """Every alive node's GPUs, ``read`` there (default: every GPU ``nvidia-smi`` lists,
     :func:`~megarl.memory_preflight.read_node_free_memory`), labelled ``node HOST (IP) GPU i``;
     and one line per node whose reading failed."""
-
     from megarl.memory_preflight import read_node_free_memory
 
     refs = _pinned_on_each_node(_gpu_memory_here, read or read_node_free_memory)
@@ -300,7 +298,6 @@ def host_memory_on_nodes(read: Callable[[], tuple[int, int, str]] | None = None,
                          timeout_s: float = 120.0) -> tuple[list[HostMemory], list[str]]:
     """Every alive node's host memory, ``read`` there (default :func:`read_host_memory`); and
     one line per node whose reading failed."""
-
     refs = _pinned_on_each_node(_host_memory_here, read or read_host_memory)
     found, failed = [], []
     for ip, result in refs.items():

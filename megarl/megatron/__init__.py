@@ -21,7 +21,7 @@ class EagerFusionsWithoutCuda(importlib.abc.MetaPathFinder):
 
     megatron-core decorates its fusions (bias-SwiGLU, the router's expert-bias update, ...) with
     ``megatron.core.jit.jit_fuser``, which is ``torch.compile`` on torch >= 2.2. Decorating
-    imports TorchDynamo and Inductor and starts Inductor's compile machinery: ~1.7 s of CPU in
+    imports TorchDynamo and Inductor and starts Inductor's compile machinery: ~1 s of CPU in
     every process that imports megatron-core (a rank, a converter, a test), and the MoE router
     then traces its expert-bias update with Dynamo on the first forward, to compile nothing on a
     CPU. Without CUDA (megarl's CPU layer, :mod:`megarl.megatron.cpu_compat`) this finder calls
