@@ -16,11 +16,18 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps sglang==0.5.10
 	touch $(STAMP)
 
+# Each Python process megarl starts (Ray workers, engines, CLIs) imports ~150 of its modules;
+# where PYTHONDONTWRITEBYTECODE is set nothing caches their bytecode, so each process compiled
+# them again (~0.3 s of CPU). Compiling once here is a no-op when nothing changed.
+BYTECODE := $(PY) -m compileall -q megarl bridge > /dev/null
+
 demo: $(STAMP)
+	$(BYTECODE)
 	$(VENV)/bin/megarl demo
 
 # -X faulthandler: a crash of the test process prints every thread's stack
 test: $(STAMP)
+	$(BYTECODE)
 	$(PY) -X faulthandler -m pytest -q -x --durations=40 tests
 
 test-slow: $(STAMP)
