@@ -52,8 +52,10 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
 * Rollout GPU: engine weights = params x bytes(rollout.dtype) / gpus_per_engine (with
   ``rollout.quantization=fp8`` the projections take 1 byte each plus an fp32 scale per 128x128
   block, :meth:`ModelInfo.weight_bytes`); the KV-cache pool
-  is the rest of gpu_memory x gpu_memory_utilization (SGLang's mem_fraction_static); colocated
-  engines share the GPU with what the train roles keep.
+  is what SGLang's sizing leaves (``profile_max_num_token``; the embedded engine's
+  ``kv_cache.kv_slots``): gpu_memory_utilization (its mem_fraction_static) x what is free when
+  the engine loads, less the weights. A colocated engine loads next to what the train roles
+  keep, which is not free then, so its share is that fraction of the rest of the GPU.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ class EngineMemory:
     weights: int
     kv_bytes_per_sequence: int
     usable: int | None
+    """The engine's weights and KV pool: gpu_memory_utilization x what is free when it loads
+    (the GPU less what colocated train roles keep; SGLang's sizing)."""
     max_num_seqs: int | None
     train_resident: int
     colocated: bool
@@ -447,13 +451,14 @@ def engine_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
     rollout, mem_gb = cfg.rollout, cfg.resources.gpu_memory_gb
     dtype = rollout.dtype or cfg.model.dtype
     tp = rollout.gpus_per_engine
+    resident = train_resident if rollout.colocate else 0
+    usable = (None if mem_gb is None else
+              int(max(0, mem_gb * GB - resident) * rollout.gpu_memory_utilization))
     return EngineMemory(
         gpus_per_engine=tp,
         weights=math.ceil(model.weight_bytes(dtype, rollout.quantization) / tp),
         kv_bytes_per_sequence=model.kv_bytes_per_token(dtype, tp) * sizes.max_sequence_length,
-        usable=None if mem_gb is None else int(mem_gb * GB * rollout.gpu_memory_utilization),
-        max_num_seqs=sizes.max_num_seqs,
-        train_resident=train_resident if rollout.colocate else 0,
+        usable=usable, max_num_seqs=sizes.max_num_seqs, train_resident=resident,
         colocated=rollout.colocate)
 
 

@@ -139,11 +139,16 @@ def _colocated_fix(cfg: RunConfig, est: Estimates, limit: int) -> str:
     steps = [f"actor.offload.{name}_offload=true (frees {size(value)})"
              for name, value, on in (("optimizer", st.optimizer, off.optimizer_offload),
                                      ("grad", st.grads, off.grad_offload)) if not on and value]
-    fraction = math.floor((limit - est.engine.train_resident) / limit * 20) / 20 if (
-        est.engine is not None) else 0.0
-    lower = (f"lower rollout.gpu_memory_utilization to {fraction:.2f}" if fraction > 0 else
+    engine = est.engine
+    free = limit - (engine.train_resident if engine is not None else limit)
+    # the engine takes this fraction of what is free when it loads: its weights and one
+    # full-length sequence's KV cache need at least this much of it
+    need = (engine.weights + engine.kv_bytes_per_sequence) / free if (
+        engine is not None and free > 0) else 1.0
+    fraction = math.ceil(need * 20) / 20
+    other = (f"raise rollout.gpu_memory_utilization to {fraction:.2f}" if fraction <= 0.95 else
              "use a separate rollout pool")
-    return "set " + " and ".join(steps) + f", or {lower}" if steps else lower
+    return "set " + " and ".join(steps) + f", or {other}" if steps else other
 
 
 def check_memory_fits(ctx: Context) -> Iterator[Problem]:
@@ -177,10 +182,12 @@ def check_memory_fits(ctx: Context) -> Iterator[Problem]:
             f"{size(est.bucket)}) but a GPU has {mem} GB"),
             "lower checkpoint_engine.bucket_size_mb or set actor.offload.optimizer_offload=true")
     engine = est.engine
-    if engine is not None and engine.colocated and engine.total > limit:
+    if engine is not None and engine.colocated and not engine.sequences_fit:
+        # SGLang's sizing: the engine takes gpu_memory_utilization of what is free as it loads
         yield warning(("resources.gpu_memory_gb", "rollout.gpu_memory_utilization",
                        "actor.offload"), (
-            f"a colocated engine takes {size(max(engine.usable or 0, engine.weights))} "
-            f"(gpu_memory_utilization {cfg.rollout.gpu_memory_utilization}) next to "
-            f"{size(engine.train_resident)} the train roles keep on the GPU: ~{size(engine.total)}"
-            f" of {mem} GB"), _colocated_fix(cfg, est, limit))
+            f"a colocated engine gets {size(engine.usable or 0)} (gpu_memory_utilization "
+            f"{cfg.rollout.gpu_memory_utilization} of the {size(limit - engine.train_resident)}"
+            f" free next to the {size(engine.train_resident)} the train roles keep on a "
+            f"{mem} GB GPU); its weights take {size(engine.weights)}, which leaves no KV cache "
+            "for one full-length sequence"), _colocated_fix(cfg, est, limit))

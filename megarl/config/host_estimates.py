@@ -337,8 +337,13 @@ def _gpu_room(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, field: str,
     if [name for name in phases if phases[name] > gpu_free] != ["gen"] or (
             engine is None or mem is None):
         return None
-    fraction = math.floor((gpu_free - engine.train_resident) / (mem * GB) * 20) / 20
-    if fraction * mem * GB <= engine.weights:  # no room left for a KV cache
+    # the engine takes the fraction of what is free when it loads (the GPU less what the train
+    # roles keep; SGLang's sizing): gen needs fraction x (GPU - kept) + kept
+    free_at_load = mem * GB - engine.train_resident
+    if free_at_load <= 0:
+        return None
+    fraction = math.floor((gpu_free - engine.train_resident) / free_at_load * 20) / 20
+    if fraction * free_at_load <= engine.weights:  # no room left for a KV cache
         return None
     lowered = with_values(changed, {"rollout.gpu_memory_utilization": fraction})
     if max(phase_estimates(estimate(lowered, model, sizes)).values()) > gpu_free:

@@ -218,7 +218,13 @@ def test_colocated_offload_defaults_and_the_sync_with_param_offload(tiny_moe_dir
     assert est.sync == st.weights + bucket + est.engine.weights
     off, _ = tiny_estimate(tiny_moe_dir, *colocated, "actor.offload.param_offload=true")
     assert off.actor_resident == 0 and off.sync_actor == st.weights
-    assert off.sync == est.sync and off.engine.total == est.engine.total - st.weights
+    assert off.sync == est.sync
+    # SGLang's sizing: the engine takes gpu_memory_utilization (0.8) of what is free when it
+    # loads, so the parameters the actor keeps on the GPU shrink its share by 0.8 of them
+    gpu = int(0.01 * GB)
+    assert off.engine.usable == off.engine.total == int(gpu * 0.8)
+    assert est.engine.usable == int((gpu - st.weights) * 0.8)
+    assert est.engine.total == est.engine.usable + st.weights
 
 
 def test_pipeline_stages_and_micro_batches_in_flight():
@@ -275,19 +281,34 @@ def test_state_heavy_layout_points_at_parallelism(monkeypatch):
 
 
 def test_colocated_rollout_counts_what_the_actor_keeps(monkeypatch):
-    """Qwen3-8B offloads grads and optimizer during rollout; without that it does not fit."""
+    """Qwen3-8B offloads grads and optimizer during rollout. Without that its colocated engine,
+    which takes gpu_memory_utilization of what is free when it loads (SGLang's sizing), gets
+    a smaller KV cache; at a low enough fraction none at all, which is refused with the fix."""
     monkeypatch.chdir(REPO)
+    model = load_model_info(CARDS / "qwen3-8b")
     on, _ = load_config("configs/qwen3-8b.yaml")
     assert memory_warnings(on) == []
-    off, _ = load_config("configs/qwen3-8b.yaml", ["actor.offload.grad_offload=false",
-                                                  "actor.offload.optimizer_offload=false"])
-    (problem,) = memory_warnings(off)
-    assert "colocated engine" in problem.message
+    kept = ["actor.offload.grad_offload=false", "actor.offload.optimizer_offload=false"]
+    off, _ = load_config("configs/qwen3-8b.yaml", kept)
+    assert memory_warnings(off) == []
+    e_on = estimate(on, model, derive_sizes(on, model)).engine
+    est = estimate(off, model, derive_sizes(off, model))
+    e, state = est.engine, est.update.state
+    assert e.train_resident == state.total and e_on.train_resident == state.weights
+    assert e.usable == int((80 * GB - state.total) * 0.7)
+    assert e.total == e.usable + state.total <= 80 * GB
+    assert e.sequences_fit == (e.usable - e.weights) // e.kv_bytes_per_sequence
+    assert 0 < e.sequences_fit < e_on.sequences_fit
+    # at 0.17 the share, ~7.8 GB, leaves the 7.6 GB of weights no room for one sequence
+    low, _ = load_config("configs/qwen3-8b.yaml", [*kept, "rollout.gpu_memory_utilization=0.17"])
+    (problem,) = memory_warnings(low)
+    assert "colocated engine" in problem.message and "no KV cache" in problem.message
     assert "actor.offload.optimizer_offload=true" in problem.fix
-    model = load_model_info(CARDS / "qwen3-8b")
-    e = estimate(off, model, derive_sizes(off, model)).engine
-    state = estimate(off, model, derive_sizes(off, model)).update.state
-    assert e.train_resident == state.total and e.total == int(80 * GB * 0.7) + state.total
+    need = (e.weights + e.kv_bytes_per_sequence) / (80 * GB - state.total)
+    assert f"raise rollout.gpu_memory_utilization to {math.ceil(need * 20) / 20:.2f}" in problem.fix
+    fixed, _ = load_config("configs/qwen3-8b.yaml", [
+        *kept, f"rollout.gpu_memory_utilization={math.ceil(need * 20) / 20}"])
+    assert memory_warnings(fixed) == []
 
 
 def test_estimates_without_gpu_memory_or_model(tiny_moe_dir):

@@ -158,7 +158,9 @@ def test_every_field_the_fix_names_exists_and_takes_its_value(moe_shape):
     sizes = derive_sizes(cfg, moe_shape)
     host = host_estimate(cfg, moe_shape, sizes)
     node = host.on_node()
-    fixes = host_fixes(cfg, moe_shape, sizes, host, node, node.total * 9 // 10, int(139.8 * GB))
+    # 120 GB free: with the optimizer on the GPU only generation would not fit (~124 GB), and
+    # a lower memory fraction for the engine makes it
+    fixes = host_fixes(cfg, moe_shape, sizes, host, node, node.total * 9 // 10, 120 * GB)
     text = "; ".join(fixes)
     for fix in ("actor.offload.optimizer_offload=false with rollout.gpu_memory_utilization=",
                 "actor.offload.param_offload=false", "rollout.backend=sglang",
