@@ -162,9 +162,12 @@ class EngineMemory:
     gpus_per_engine: int
     weights: int
     kv_bytes_per_sequence: int
+    free_at_load: int | None
+    """What is free on the GPU when the engine loads: the GPU less what colocated train roles
+    keep (None without ``resources.gpu_memory_gb``)."""
     usable: int | None
-    """The engine's weights and KV pool: gpu_memory_utilization x what is free when it loads
-    (the GPU less what colocated train roles keep; SGLang's sizing)."""
+    """The engine's weights and KV pool: gpu_memory_utilization x ``free_at_load`` (SGLang's
+    sizing)."""
     max_num_seqs: int | None
     train_resident: int
     colocated: bool
@@ -452,13 +455,14 @@ def engine_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
     dtype = rollout.dtype or cfg.model.dtype
     tp = rollout.gpus_per_engine
     resident = train_resident if rollout.colocate else 0
-    usable = (None if mem_gb is None else
-              int(max(0, mem_gb * GB - resident) * rollout.gpu_memory_utilization))
+    free = None if mem_gb is None else max(0, int(mem_gb * GB) - resident)
     return EngineMemory(
         gpus_per_engine=tp,
         weights=math.ceil(model.weight_bytes(dtype, rollout.quantization) / tp),
         kv_bytes_per_sequence=model.kv_bytes_per_token(dtype, tp) * sizes.max_sequence_length,
-        usable=usable, max_num_seqs=sizes.max_num_seqs, train_resident=resident,
+        free_at_load=free,
+        usable=None if free is None else int(free * rollout.gpu_memory_utilization),
+        max_num_seqs=sizes.max_num_seqs, train_resident=resident,
         colocated=rollout.colocate)
 
 

@@ -133,18 +133,17 @@ def _update_fix(cfg: RunConfig, u: UpdateMemory) -> tuple[tuple[str, ...], str]:
     return fields, "; or ".join(knobs[name][1] for name in top)
 
 
-def _colocated_fix(cfg: RunConfig, est: Estimates, limit: int) -> str:
+def _colocated_fix(cfg: RunConfig, est: Estimates) -> str:
     """Advice for a colocated rollout that does not fit next to the train roles' state."""
     st, off = est.update.state, cfg.actor.offload
     steps = [f"actor.offload.{name}_offload=true (frees {size(value)})"
              for name, value, on in (("optimizer", st.optimizer, off.optimizer_offload),
                                      ("grad", st.grads, off.grad_offload)) if not on and value]
     engine = est.engine
-    free = limit - (engine.train_resident if engine is not None else limit)
     # the engine takes this fraction of what is free when it loads: its weights and one
     # full-length sequence's KV cache need at least this much of it
-    need = (engine.weights + engine.kv_bytes_per_sequence) / free if (
-        engine is not None and free > 0) else 1.0
+    need = (engine.weights + engine.kv_bytes_per_sequence) / engine.free_at_load if (
+        engine is not None and engine.free_at_load) else 1.0
     fraction = math.ceil(need * 20) / 20
     other = (f"raise rollout.gpu_memory_utilization to {fraction:.2f}" if fraction <= 0.95 else
              "use a separate rollout pool")
@@ -187,7 +186,7 @@ def check_memory_fits(ctx: Context) -> Iterator[Problem]:
         yield warning(("resources.gpu_memory_gb", "rollout.gpu_memory_utilization",
                        "actor.offload"), (
             f"a colocated engine gets {size(engine.usable or 0)} (gpu_memory_utilization "
-            f"{cfg.rollout.gpu_memory_utilization} of the {size(limit - engine.train_resident)}"
+            f"{cfg.rollout.gpu_memory_utilization} of the {size(engine.free_at_load or 0)}"
             f" free next to the {size(engine.train_resident)} the train roles keep on a "
             f"{mem} GB GPU); its weights take {size(engine.weights)}, which leaves no KV cache "
-            "for one full-length sequence"), _colocated_fix(cfg, est, limit))
+            "for one full-length sequence"), _colocated_fix(cfg, est))

@@ -333,15 +333,13 @@ def _gpu_room(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, field: str,
         return f"{field}=false if a GPU has ~{size(need)} for its phases"
     if need <= gpu_free:
         return f"{field}=false (the GPU phases then need ~{size(need)} of {size(gpu_free)})"
-    mem, engine = cfg.resources.gpu_memory_gb, est.engine
+    engine = est.engine
     if [name for name in phases if phases[name] > gpu_free] != ["gen"] or (
-            engine is None or mem is None):
+            engine is None or not engine.free_at_load):
         return None
     # the engine takes the fraction of what is free when it loads (the GPU less what the train
     # roles keep; SGLang's sizing): gen needs fraction x (GPU - kept) + kept
-    free_at_load = mem * GB - engine.train_resident
-    if free_at_load <= 0:
-        return None
+    free_at_load = engine.free_at_load
     fraction = math.floor((gpu_free - engine.train_resident) / free_at_load * 20) / 20
     if fraction * free_at_load <= engine.weights:  # no room left for a KV cache
         return None
