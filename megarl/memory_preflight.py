@@ -30,8 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from megarl.config import RunConfig
-from megarl.config.derived import derive_sizes
-from megarl.config.estimates import estimate, phase_estimates, size
+from megarl.config.estimates import estimate, phase_estimates, resolve_sizes, size
 from megarl.config.host_estimates import host_estimate, host_fixes
 from megarl.config.model_info import ModelInfo
 from megarl.memory import GB, PHASE_KNOBS
@@ -148,7 +147,7 @@ def with_gpu_memory(cfg: RunConfig, total_bytes: int) -> RunConfig:
 def device_estimates(cfg: RunConfig, model: ModelInfo, total_bytes: int) -> dict[str, int]:
     """Each phase's estimate (bytes per GPU), :func:`with_gpu_memory`."""
     cfg = with_gpu_memory(cfg, total_bytes)
-    return phase_estimates(estimate(cfg, model, derive_sizes(cfg, model)))
+    return phase_estimates(estimate(cfg, model, resolve_sizes(cfg, model)))
 
 
 def device_preflight(cfg: RunConfig, model: ModelInfo | None,
@@ -193,7 +192,7 @@ def host_preflight(cfg: RunConfig, model: ModelInfo, nodes: Sequence[HostMemory]
     if not gpus or not cfg.trainer.preflight or cfg.resources.device == "cpu":
         return [], False
     cfg = with_gpu_memory(cfg, min(total for _, total in gpus.values()))
-    sizes = derive_sizes(cfg, model)
+    sizes = resolve_sizes(cfg, model)
     host = host_estimate(cfg, model, sizes)
     gpu_free = min(free for free, _ in gpus.values())
     lines, checked = [], []

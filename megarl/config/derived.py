@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megarl.config.model_info import DTYPE_BYTES, ModelInfo
+from megarl.config.model_info import ModelInfo
 from megarl.config.schema import ParallelConfig, RunConfig
 
 Number = int | float  # a float only where a division is not exact
@@ -132,18 +132,25 @@ def rollout_pool_gpus(cfg: RunConfig) -> int | None:
     return None if pool is None else pool.world_size
 
 
-def kv_cache_sequences(cfg: RunConfig, model: ModelInfo | None) -> int | None:
-    """Full-length sequences whose KV cache fits in one engine, when GPU memory is known."""
+def kv_cache_sequences(cfg: RunConfig, model: ModelInfo | None,
+                       engine_resident: int = 0) -> int | None:
+    """Full-length sequences whose KV cache fits in one engine, when GPU memory is known.
+
+    SGLang's sizing: the engine takes ``gpu_memory_utilization`` of what is free on its GPU when
+    it loads, which for a colocated engine is the GPU less ``engine_resident`` (what the train
+    roles keep while it generates: :func:`megarl.config.estimates.resolve_sizes` passes it); its
+    weights (in block FP8 with ``rollout.quantization=fp8``) come out of that share first."""
     mem_gb = cfg.resources.gpu_memory_gb
     if model is None or mem_gb is None:
         return None
     dtype = cfg.rollout.dtype or cfg.model.dtype
     tp = cfg.rollout.gpus_per_engine
-    usable = mem_gb * 2**30 * cfg.rollout.gpu_memory_utilization
-    weights = model.param_count() * DTYPE_BYTES[dtype] / tp
+    free = max(0, int(mem_gb * 2**30) - engine_resident)
+    usable = int(free * cfg.rollout.gpu_memory_utilization)
+    weights = math.ceil(model.weight_bytes(dtype, cfg.rollout.quantization) / tp)
     per_seq = model.kv_bytes_per_token(dtype, tp) * (
         cfg.data.max_prompt_length + cfg.data.max_response_length)
-    return max(0, int((usable - weights) // per_seq))
+    return max(0, (usable - weights) // per_seq)
 
 
 def effective_max_num_seqs(cfg: RunConfig, per_engine: Number | None,
@@ -164,8 +171,11 @@ def weight_sync_backend(cfg: RunConfig) -> str:
     return "ipc" if cfg.rollout.colocate else "nccl"
 
 
-def derive_sizes(cfg: RunConfig, model: ModelInfo | None = None) -> DerivedSizes:
-    """Compute the derived sizes of ``cfg`` (``model`` adds the KV-cache and vocab numbers)."""
+def derive_sizes(cfg: RunConfig, model: ModelInfo | None = None,
+                 engine_resident: int = 0) -> DerivedSizes:
+    """Compute the derived sizes of ``cfg`` (``model`` adds the KV-cache and vocab numbers;
+    ``engine_resident``: what colocated train roles keep on an engine's GPU, see
+    :func:`kv_cache_sequences`)."""
     actor, n = cfg.actor, cfg.rollout.n
     world = cfg.resources.train_pool.world_size
     layout = RoleLayout.of("actor", actor.parallel, world)
@@ -177,7 +187,7 @@ def derive_sizes(cfg: RunConfig, model: ModelInfo | None = None) -> DerivedSizes
     mini_per_rank = ratio(mini_seqs, layout.dp) if is_whole(layout.dp) else None
     micro = micro_batch_per_gpu(cfg, layout.dp)
     minis = ratio(cfg.data.train_batch_size, actor.ppo_mini_batch_size)
-    kv_fit = kv_cache_sequences(cfg, model)
+    kv_fit = kv_cache_sequences(cfg, model, engine_resident)
     vocab_step = MEGATRON_VOCAB_DIVISOR * actor.parallel.tp
     return DerivedSizes(
         prompts_per_step=cfg.data.train_batch_size,

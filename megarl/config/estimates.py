@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megarl.config.derived import DerivedSizes, RoleLayout, is_whole
+from megarl.config.derived import DerivedSizes, RoleLayout, derive_sizes, is_whole
 from megarl.config.lora_layers import (
     adapter_counts,
     is_excluded,
@@ -482,6 +482,17 @@ def estimate(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes) -> Estimates
                      sync_actor=sync_actor, bucket=bucket, sync=sync,
                      log_prob=log_prob_memory(cfg, model, sizes, vocab, sync_actor, other),
                      engine=engine, gpu_memory=None if mem is None else int(mem * GB))
+
+
+def resolve_sizes(cfg: RunConfig, model: ModelInfo | None) -> DerivedSizes:
+    """:func:`derive_sizes` with a colocated engine's KV cache (and so ``rollout.max_num_seqs:
+    auto``) sized as the engine will be: on what is free next to what the train roles keep while
+    it generates, which only the estimates know."""
+    sizes = derive_sizes(cfg, model)
+    if model is None or not cfg.rollout.colocate or cfg.resources.gpu_memory_gb is None:
+        return sizes
+    engine = estimate(cfg, model, sizes).engine
+    return sizes if engine is None else derive_sizes(cfg, model, engine.train_resident)
 
 
 def phase_estimates(est: Estimates) -> dict[str, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from megarl.config.derived import derive_sizes
+from megarl.config.estimates import resolve_sizes
 from megarl.config.estimates_report import check_memory_fits
 from megarl.config.model_info import ModelInfo, ModelInfoError, load_model_info
 from megarl.config.problems import Context, Problem
@@ -98,7 +98,7 @@ def build_context(cfg: RunConfig, model: ModelInfo | None = None, *,
             model = load_model_info(cfg.model.path)
         except ModelInfoError as err:
             model_error = str(err)
-    return Context(cfg=cfg, sizes=derive_sizes(cfg, model), model=model, model_error=model_error,
+    return Context(cfg=cfg, sizes=resolve_sizes(cfg, model), model=model, model_error=model_error,
                    sources=dict(sources or {}), allow_missing_files=allow_missing_files)
 
 

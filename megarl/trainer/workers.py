@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from megarl.config import RunConfig
-from megarl.config.derived import derive_sizes, weight_sync_backend
+from megarl.config.derived import weight_sync_backend
+from megarl.config.estimates import resolve_sizes
 from megarl.config.lora_layers import hf_leaf_modules
 from megarl.config.model_info import ModelInfoError, load_model_info
 from megarl.faults import fail_point
@@ -131,7 +132,7 @@ def engine_max_num_seqs(cfg: RunConfig) -> int | None:
         model = load_model_info(cfg.model.path)
     except ModelInfoError:
         model = None
-    return derive_sizes(cfg, model).max_num_seqs
+    return resolve_sizes(cfg, model).max_num_seqs
 
 
 def engines_start_without_weights(cfg: RunConfig) -> bool:

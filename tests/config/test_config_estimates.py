@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from megarl.config import derive_sizes, load_config, load_config_dict, load_model_info
+from megarl.config import (
+    derive_sizes,
+    load_config,
+    load_config_dict,
+    load_model_info,
+    resolve_sizes,
+)
 from megarl.config.estimates import (
     GB,
     estimate,
@@ -295,7 +301,7 @@ def test_colocated_rollout_counts_what_the_actor_keeps(monkeypatch):
     est = estimate(off, model, derive_sizes(off, model))
     e, state = est.engine, est.update.state
     assert e.train_resident == state.total and e_on.train_resident == state.weights
-    assert e.usable == int((80 * GB - state.total) * 0.7)
+    assert e.usable == int((80 * GB - state.total) * off.rollout.gpu_memory_utilization)
     assert e.total == e.usable + state.total <= 80 * GB
     assert e.sequences_fit == (e.usable - e.weights) // e.kv_bytes_per_sequence
     assert 0 < e.sequences_fit < e_on.sequences_fit
@@ -309,6 +315,37 @@ def test_colocated_rollout_counts_what_the_actor_keeps(monkeypatch):
     fixed, _ = load_config("configs/qwen3-8b.yaml", [
         *kept, f"rollout.gpu_memory_utilization={math.ceil(need * 20) / 20}"])
     assert memory_warnings(fixed) == []
+
+
+def test_auto_max_num_seqs_of_a_colocated_engine_fits_its_kv_cache(monkeypatch):
+    """``rollout.max_num_seqs: auto`` caps each engine at the full-length sequences its KV cache
+    holds. For a colocated engine that cache is what its share of the memory free next to the
+    train roles leaves after its weights (the estimate's rule), not a share of the whole GPU:
+    Qwen3-8B's config (128 sequences per engine) fits 132 with grad/optimizer offload and 75
+    without, where a share of the whole GPU said 148 either way. Block FP8 weights leave more."""
+    monkeypatch.chdir(REPO)
+    model = load_model_info(CARDS / "qwen3-8b")
+    fits = {}
+    for name, overrides in (("offload", []), ("kept", ["actor.offload.grad_offload=false",
+                                                       "actor.offload.optimizer_offload=false"]),
+                            ("fp8", ["rollout.quantization=fp8"])):
+        cfg, _ = load_config("configs/qwen3-8b.yaml", overrides)
+        assert cfg.rollout.colocate and cfg.rollout.max_num_seqs == "auto"
+        whole_gpu = derive_sizes(cfg, model)
+        sizes = resolve_sizes(cfg, model)
+        engine = estimate(cfg, model, sizes).engine
+        # by hand: SGLang's share of what is free next to the train roles, less the weights
+        usable = int((80 * GB - engine.train_resident) * cfg.rollout.gpu_memory_utilization)
+        tp = cfg.rollout.gpus_per_engine
+        weights = math.ceil(model.weight_bytes("bfloat16", cfg.rollout.quantization) / tp)
+        per_seq = model.kv_bytes_per_token("bfloat16", tp) * sizes.max_sequence_length
+        fit = (usable - weights) // per_seq
+        assert sizes.kv_cache_sequences_per_engine == engine.sequences_fit == fit
+        assert whole_gpu.kv_cache_sequences_per_engine > fit
+        assert sizes.max_num_seqs == min(fit, 128) and sizes.sequences_per_engine == 128
+        fits[name] = fit
+    assert fits["kept"] < fits["offload"] < fits["fp8"]
+    assert (fits["offload"], fits["kept"]) == (132, 75)
 
 
 def test_estimates_without_gpu_memory_or_model(tiny_moe_dir):
