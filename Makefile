@@ -6,7 +6,7 @@ STAMP := $(VENV)/.megarl-installed
 
 .PHONY: demo test test-slow test-soak lint clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU build of torch, pinned: an unpinned torch pulls a multi-GB CUDA build.
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev,nixl,math,tensorboard,bench]'
 	# real SGLang as the reference of tests/conformance: pure Python, its CUDA deps left out
 	$(PY) -m pip install -q --no-deps sglang==0.5.10
+	# Triton for its interpreter (TRITON_INTERPRET=1: the engine's kernels on CPU tensors), beside
+	# the venv's packages: on their path every megatron process would import it (~0.2 s of CPU)
+	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/triton-interpreter triton==3.8.0
 	touch $(STAMP)
 
 # Each Python process megarl starts (Ray workers, engines, CLIs) imports ~150 of its modules;

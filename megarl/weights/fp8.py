@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
@@ -112,6 +113,28 @@ def dequantize_blockwise(quantized: torch.Tensor, scale_inv: torch.Tensor,
     rows, cols = quantized.shape
     scales = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return (quantized.float() * scales[:rows, :cols]).to(dtype)
+
+
+GROUP = 128
+"""Input features per activation scale (SGLang's ``per_token_group_quant_fp8`` group)."""
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``) of ``x [M, K]``: each row's groups of
+    128 features divided by their amax / 448 (an all-zero group gets scale 1)."""
+    rows, cols = x.shape
+    groups = -(-cols // GROUP)
+    padded = F.pad(x.float(), (0, groups * GROUP - cols)).view(rows, groups, GROUP)
+    amax = padded.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    quantized = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized.view(rows, -1)[:, :cols], scale.squeeze(-1)
+
+
+def dequantize_activations(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 ``[M, K]`` that :func:`quantize_activations`' output stands for."""
+    cols = quantized.shape[1]
+    return quantized.float() * scale.repeat_interleave(GROUP, dim=1)[:, :cols]
 
 
 def fp8_payload(bucket: Mapping[str, torch.Tensor], ignored: Sequence[str] = ()

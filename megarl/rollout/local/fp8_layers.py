@@ -29,6 +29,7 @@ and ``[E, ceil(H/128), ceil(I/128)]`` (gate's block rows, then up's; SGLang's
 
 from __future__ import annotations
 
+import importlib.util
 import threading
 
 import torch
@@ -37,33 +38,13 @@ from torch import nn
 
 from megarl.weights.fp8 import (
     BLOCK,
-    FP8_DTYPE,
-    FP8_MAX,
+    GROUP,
+    dequantize_activations,
     dequantize_blockwise,
     is_quantized_weight,
+    quantize_activations,
     quantize_blockwise,
 )
-
-GROUP = 128
-"""Input features per activation scale (SGLang's ``per_token_group_quant_fp8`` group)."""
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 ``[M, K]``, fp32 scales ``[M, ceil(K/128)]``) of ``x [M, K]``: each row's groups of
-    128 features divided by their amax / 448 (an all-zero group gets scale 1)."""
-    rows, cols = x.shape
-    groups = -(-cols // GROUP)
-    padded = F.pad(x.float(), (0, groups * GROUP - cols)).view(rows, groups, GROUP)
-    amax = padded.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    quantized = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return quantized.view(rows, -1)[:, :cols], scale.squeeze(-1)
-
-
-def dequantize_activations(quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[M, K]`` that :func:`quantize_activations`' output stands for."""
-    cols = quantized.shape[1]
-    return quantized.float() * scale.repeat_interleave(GROUP, dim=1)[:, :cols]
 
 
 def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -180,6 +161,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     return fp8_matmul_reference(x, weight, scale_inv, bias)
 
 
+def fused_experts_available() -> bool:
+    """Whether :class:`Fp8Experts` on CUDA runs the Triton grouped GEMMs (Triton installed)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
@@ -246,7 +232,21 @@ class Fp8Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        """As transformers' expert block: each chosen expert on its rows, weighted, summed."""
+        """As transformers' expert block: each chosen expert on its rows, weighted, summed. On
+        CUDA with Triton, grouped GEMMs that a CUDA graph captures (:mod:`.fp8_moe_triton`);
+        elsewhere :meth:`reference`."""
+        if hidden_states.is_cuda and fused_experts_available():
+            from megarl.rollout.local.fp8_moe_triton import fp8_moe
+
+            return fp8_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                           self.gate_up_proj_scale_inv, self.down_proj,
+                           self.down_proj_scale_inv, self.act_fn)
+        return self.reference(hidden_states, top_k_index, top_k_weights)
+
+    def reference(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                  top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Expert by expert over the experts the batch chose (it reads them on the host: no
+        CUDA graph can capture it), each product by :func:`fp8_linear`."""
         out = torch.zeros_like(hidden_states)
         for expert in torch.unique(top_k_index).tolist():
             rows, slot = torch.where(top_k_index == expert)

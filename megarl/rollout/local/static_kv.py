@@ -328,6 +328,7 @@ class NativeDecoder:
         """Whether a decode step runs every expert on every row (few rows: the same weight
         bytes as routing, a handful of kernels instead of a sort and a grouped GEMM)."""
         return (self.fast_kernels and hasattr(experts, "gate_up_proj")
+                and experts.gate_up_proj.dtype == self.dtype  # not FP8 (its own grouped GEMMs)
                 and not getattr(experts, "is_transposed", False)
                 and not getattr(experts, "has_bias", False)
                 and getattr(self.model.config, "hidden_act", None) == "silu"

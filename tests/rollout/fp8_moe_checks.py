@@ -1,0 +1,101 @@
+"""Checks of the block-FP8 experts' Triton grouped GEMMs (``fp8_moe_triton``) against the
+expert-by-expert reference (``Fp8Experts.reference``), on any device: CUDA in tests/gpu, CPU
+tensors under ``TRITON_INTERPRET=1`` in tests/rollout/test_fp8_moe_interpreted.py. (A uniquely
+named module: both import it.)"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from megarl.rollout.local.fp8_layers import Fp8Experts
+from megarl.rollout.local.fp8_moe_triton import BLOCK_M, fp8_moe, sort_by_expert
+
+
+def random_experts(experts: int, hidden: int, width: int, device: str, seed: int = 0
+                   ) -> Fp8Experts:
+    """An :class:`Fp8Experts` quantized from random bf16-scale weights."""
+    g = torch.Generator().manual_seed(seed)
+    block = SimpleNamespace(num_experts=experts, hidden_dim=hidden, intermediate_dim=width,
+                            act_fn=F.silu,
+                            gate_up_proj=torch.randn(experts, 2 * width, hidden, generator=g) * 0.05,
+                            down_proj=torch.randn(experts, hidden, width, generator=g) * 0.05)
+    return Fp8Experts(block).to(device)
+
+
+def random_routes(tokens: int, experts: int, top_k: int, device: str, seed: int = 1,
+                  only: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(top-k expert ids ``[T, k]``, distinct per row, softmaxed weights ``[T, k]``); with
+    ``only``, every row's first choice is that expert (one expert with many rows)."""
+    g = torch.Generator().manual_seed(seed)
+    index = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    if only is not None:
+        index = torch.stack([torch.cat([torch.tensor([only]), row[row != only][:top_k - 1]])
+                             for row in index])
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=g), -1)
+    return index.to(device), weights.to(device)
+
+
+def fused(module: Fp8Experts, x: torch.Tensor, index: torch.Tensor,
+          weights: torch.Tensor) -> torch.Tensor:
+    return fp8_moe(x, index, weights, module.gate_up_proj, module.gate_up_proj_scale_inv,
+                   module.down_proj, module.down_proj_scale_inv, module.act_fn)
+
+
+def check_sort_by_expert(device: str) -> None:
+    """Every (token, slot) pair once, each block one expert's pairs in token order, padding
+    marked with the pair count, the length fixed by the shapes."""
+    experts, tokens, top_k = 5, 23, 3
+    index, _ = random_routes(tokens, experts, top_k, device, only=2)
+    index[4] = torch.tensor([0, 1, 3])  # expert 4 chosen by few rows, none by some: fine
+    rows, block_expert, total = sort_by_expert(index, experts, BLOCK_M)
+    pairs = tokens * top_k
+    assert rows.numel() == -(-(pairs + experts * (BLOCK_M - 1)) // BLOCK_M) * BLOCK_M
+    rows, block_expert, total = rows.cpu(), block_expert.cpu(), int(total)
+    flat = index.reshape(-1).cpu()
+    counts = torch.bincount(flat, minlength=experts)
+    assert total == int(((counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M).sum())
+    assert (rows[total:] == pairs).all()
+    used = rows[:total]
+    assert sorted(used[used < pairs].tolist()) == list(range(pairs))
+    for b in range(total // BLOCK_M):
+        block = rows[b * BLOCK_M:(b + 1) * BLOCK_M]
+        real = block[block < pairs]
+        assert real.numel() > 0 and (flat[real] == block_expert[b]).all(), b
+        assert real.tolist() == sorted(real.tolist())  # stable: token order inside an expert
+        assert (block[real.numel():] == pairs).all()  # padding at the end of a run only
+    assert block_expert[:total // BLOCK_M].tolist() == sorted(block_expert[:total // BLOCK_M]
+                                                               .tolist())
+
+
+def check_fused_matches_reference(device: str, dtype: torch.dtype = torch.float32) -> float:
+    """The grouped GEMMs equal the reference on two layouts: hidden and intermediate sizes that
+    are not multiples of 128 (partial K blocks; up's rows on their own block grid) and ones
+    that are; a batch where one expert has more rows than a block. Returns the largest error
+    (fp32: of an element, relative to the largest output; bf16: of the whole, relative, to
+    the quantized math on fp32 inputs)."""
+    worst = 0.0
+    for experts, hidden, width, tokens, top_k in ((6, 200, 96, 7, 2), (8, 256, 128, 40, 2)):
+        module = random_experts(experts, hidden, width, device)
+        g = torch.Generator().manual_seed(2)
+        x = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+        index, weights = random_routes(tokens, experts, top_k, device, only=3)
+        want = module.reference(x, index, weights)
+        got = fused(module, x, index, weights)
+        assert got.dtype == want.dtype == dtype and got.shape == want.shape == x.shape
+        diff = got.float() - want.float()
+        if dtype == torch.float32:  # the order of the fp32 sums only
+            error = float(diff.abs().max() / want.abs().max())
+            assert error < 1e-5, (hidden, width, error)
+        else:
+            # bf16 rounds each GEMM's output, and a rounding step upstream can move an
+            # activation to the next FP8 value (1/16 of it): the reference itself is ~3% off
+            # the same quantized math on fp32 inputs. The fused path may not be further off
+            truth = module.reference(x.float(), index, weights)
+            off = [float((y.float() - truth).norm() / truth.norm()) for y in (got, want)]
+            error = off[0]
+            assert off[0] < 1.2 * off[1] + 2e-3, (hidden, width, off)
+        worst = max(worst, error)
+    return worst
