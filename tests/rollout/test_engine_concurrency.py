@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from megarl.config import derive_sizes, load_config_dict, load_model_info
+from megarl.config import derive_sizes, load_config_dict, load_model_info, resolve_sizes
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker, engine_command
 from megarl.trainer.workers import engine_spec
@@ -55,9 +55,13 @@ def test_auto_is_capped_by_the_kv_cache_as_config_show_says(tmp_path: Path) -> N
         "rollout": {"n": 12, "gpus_per_engine": 3, "backend": "local"},
         "resources": {"train_pool": {"nnodes": 1, "gpus_per_node": 6},
                       "gpu_memory_gb": 0.002}})
-    sizes = derive_sizes(cfg, load_model_info(model))
+    sizes = resolve_sizes(cfg, load_model_info(model))  # what config show prints
     assert sizes.max_num_seqs is not None and sizes.max_num_seqs < sizes.sequences_per_engine
     assert engine_spec(cfg, tmp_path).max_running_requests == sizes.max_num_seqs
+    # colocated: the engines share the GPU with what the actor keeps, so fewer fit than a
+    # share of the whole GPU would hold
+    assert cfg.rollout.colocate
+    assert sizes.max_num_seqs < derive_sizes(cfg, load_model_info(model)).max_num_seqs
 
 
 def test_embedded_engine_started_by_the_worker_reports_it(tmp_path: Path) -> None:
