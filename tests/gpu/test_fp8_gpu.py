@@ -34,7 +34,7 @@ def test_scaled_mm_runs_the_block_recipe_and_matches_the_reference(k):
 
 def test_an_fp8_engine_generates_on_the_gpu(tmp_path: Path):
     """A dense model whose projections are multiples of 128 (the _scaled_mm path) and a MoE one
-    (FP8 experts: the HF decode path) both serve greedy requests in FP8."""
+    (FP8 experts: the Triton grouped GEMMs) both serve greedy requests in FP8."""
     dims = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
             "num_key_value_heads": 2, "head_dim": 64}
     for arch, extra in (("qwen3", {}), ("qwen3_moe", {"moe_intermediate_size": 128})):
@@ -52,3 +52,5 @@ def test_an_fp8_engine_generates_on_the_gpu(tmp_path: Path):
             server.stop()
         assert [len(o["output_ids"]) for o in out] == [16, 16], arch
         assert info["internal_states"][0]["fp8_gemm"].startswith("torch."), info
+        if arch == "qwen3_moe":
+            assert info["internal_states"][0]["fp8_experts"].startswith("Triton"), info

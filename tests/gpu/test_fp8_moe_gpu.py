@@ -17,6 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 import fp8_moe_checks as checks
 
 from megarl.data.tiny_model import make_tiny_model
+from megarl.rollout.local import fp8_layers
 
 
 def test_sort_by_expert_groups_every_pair_once():
@@ -72,3 +73,4 @@ def test_the_native_decoder_runs_fp8_experts_in_its_graphs(tmp_path):
         native, hf = (torch.log_softmax(x.float(), -1) for x in logits)
         assert (native - hf).abs().max() < 0.1
     assert runners[0].native.use_graphs and runners[0].native.capture_failures == 0
+    assert fp8_layers.experts_backend() == "Triton grouped GEMMs (fp8_moe_triton)"

@@ -193,7 +193,8 @@ def test_an_fp8_server_generates_and_reports_its_gemm(tmp_path: Path):
     assert len(out["output_ids"]) == 6
     assert all(math.isfinite(lp) for lp, _, _ in out["meta_info"]["output_token_logprobs"])
     assert info["quantization"] == "fp8"
-    assert info["internal_states"][0]["fp8_gemm"] == "reference (CPU)"
+    state = info["internal_states"][0]
+    assert state["fp8_gemm"] == state["fp8_experts"] == "reference (CPU)"
 
 
 def test_the_native_decoder_takes_fp8_experts(tmp_path: Path):

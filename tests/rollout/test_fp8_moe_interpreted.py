@@ -1,11 +1,13 @@
 """The block-FP8 experts' Triton grouped GEMMs on CPU, through Triton's interpreter
-(``TRITON_INTERPRET=1``): the same checks as tests/gpu/test_fp8_moe_gpu.py, in a child process
-(the variable must be set before Triton loads) whose path has the Triton that ``make test``
-installs beside the venv (``.venv/triton-interpreter``: not in the venv's site-packages, where
-every megatron process would pay for importing it)."""
+(``TRITON_INTERPRET=1``): the same checks as tests/gpu/test_fp8_moe_gpu.py, and the probe a CUDA
+engine runs at load. They run in one child process (the variable must be set before Triton
+loads) whose path has the Triton that ``make test`` installs beside the venv
+(``.venv/triton-interpreter``: not in the venv's site-packages, where every megatron process
+would pay for importing it); each test reads its part of the child's report."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -16,25 +18,78 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 TRITON = Path(sys.prefix) / "triton-interpreter"
 
+CHILD = """
+import json, torch, traceback
+import fp8_moe_checks as c
+from megarl.rollout.local import fp8_layers as f, fp8_moe_triton as t
 
-def run_interpreted(code: str) -> str:
+def part(name, fn):
+    try:
+        print(json.dumps({name: fn()}))
+    except Exception:
+        print(json.dumps({name: "FAILED " + traceback.format_exc()}))
+
+def probe(patch):
+    original = t.fp8_moe
+    if patch == "failing":
+        def boom(*args):
+            raise RuntimeError("no kernel image")
+        t.fp8_moe = boom
+    elif patch == "wrong":
+        t.fp8_moe = lambda x, *args: torch.zeros_like(x)
+    f._Experts.fused = None
+    try:
+        f._probe_experts(torch.device("cpu"))
+    finally:
+        t.fp8_moe = original
+    return [f._Experts.fused, f._Experts.reason]
+
+part("sort", lambda: c.check_sort_by_expert("cpu"))
+part("float32", lambda: c.check_fused_matches_reference("cpu", torch.float32))
+part("bfloat16", lambda: c.check_fused_matches_reference("cpu", torch.bfloat16))
+for patch in ("none", "failing", "wrong"):
+    part("probe_" + patch, lambda: probe(patch))
+"""
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
     if not (TRITON / "triton").is_dir():
         pytest.skip(f"no Triton for the interpreter at {TRITON} (make test installs it)")
     env = {**os.environ, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join([str(TRITON), str(TESTS), os.environ.get("PYTHONPATH",
                                                                                    "")])}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
-    return done.stdout
+    parts = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            parts.update(json.loads(line))
+    return parts
 
 
-def test_sort_by_expert_groups_every_pair_once():
-    run_interpreted("import fp8_moe_checks as c; c.check_sort_by_expert('cpu')")
+def result(report: dict, name: str):
+    value = report[name]
+    assert not (isinstance(value, str) and value.startswith("FAILED")), value
+    return value
+
+
+def test_sort_by_expert_groups_every_pair_once(report):
+    result(report, "sort")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_grouped_gemms_equal_the_expert_by_expert_reference(dtype):
-    out = run_interpreted("import torch, fp8_moe_checks as c\n"
-                          f"print(c.check_fused_matches_reference('cpu', torch.{dtype}))")
-    print(dtype, "largest error / largest output:", out.strip())
+def test_grouped_gemms_equal_the_expert_by_expert_reference(report, dtype):
+    print(dtype, "largest error:", result(report, dtype))
+
+
+def test_the_engine_probes_the_kernels_and_falls_back_with_the_reason(report):
+    """What a CUDA engine does at load, here on CPU tensors: the grouped GEMMs agree with the
+    reference and are used; a kernel that fails, or that gives other numbers, leaves the
+    experts on the reference, and the reason is what ``/get_server_info`` reports."""
+    assert result(report, "probe_none") == [True, "Triton grouped GEMMs (fp8_moe_triton)"]
+    assert result(report, "probe_failing") == [
+        False, "reference (the grouped GEMMs failed: no kernel image)"]
+    assert result(report, "probe_wrong") == [
+        False, "reference (the grouped GEMMs differ from it by 1 relative in torch.float32)"]

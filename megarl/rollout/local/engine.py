@@ -35,7 +35,7 @@ import torch
 
 from megarl.faults import engine_step_delay, oom_point
 from megarl.rollout.interface import PauseMode, SamplingParams
-from megarl.rollout.local.fp8_layers import gemm_backend
+from megarl.rollout.local.fp8_layers import experts_backend, gemm_backend
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampling, sample_next
 
@@ -225,14 +225,14 @@ class LocalEngine:
         return self.call(self._resume)
 
     def load_state(self) -> dict[str, Any]:
-        """Counts for ``/get_server_info`` (read without locking; approximate); the embedded
-        engine's ``generation_steps`` shows that nothing ran while paused."""
-        running = sum(s.finish is None for s in self._rows)
+        """``/get_server_info``'s counts (unlocked; generation_steps stay put while paused)."""
+        running, fp8 = sum(s.finish is None for s in self._rows), self.runner.quantization
         return {"num_running_reqs": running, "num_waiting_reqs": len(self._waiting),
                 "paused": self.paused, "released": sorted(self.released),
                 "weight_version": self.weight_version, "generation_steps": self.steps,
                 "oom_recoveries": self.oom_recoveries,
-                "fp8_gemm": gemm_backend(self.runner.device) if self.runner.quantization else None,
+                "fp8_gemm": gemm_backend(self.runner.device) if fp8 else None,
+                "fp8_experts": experts_backend(self.runner.device) if fp8 else None,
                 "lora_requests": dict(self.lora_requests) if self.runner.lora else None}
 
     @property

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 import threading
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -161,9 +162,66 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     return fp8_matmul_reference(x, weight, scale_inv, bias)
 
 
-def fused_experts_available() -> bool:
-    """Whether :class:`Fp8Experts` on CUDA runs the Triton grouped GEMMs (Triton installed)."""
-    return importlib.util.find_spec("triton") is not None
+class _Experts:
+    """Whether :class:`Fp8Experts` on CUDA runs the Triton grouped GEMMs: decided once per
+    process by :func:`_probe_experts`."""
+
+    fused: bool | None = None
+    reason = "not used yet"
+
+
+def _probe_experts(device: torch.device) -> None:
+    """Run the grouped GEMMs once on random experts and compare them with
+    :meth:`Fp8Experts.reference`; where Triton is missing, fails or disagrees, the experts run
+    on the reference (one by one, outside CUDA graphs) and :func:`experts_backend` says why."""
+    if importlib.util.find_spec("triton") is None:
+        _Experts.fused, _Experts.reason = False, "reference (Triton is not installed)"
+        return
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    block = SimpleNamespace(num_experts=4, hidden_dim=256, intermediate_dim=128, act_fn=F.silu,
+                            gate_up_proj=torch.randn(4, 256, 256, generator=generator) * 0.05,
+                            down_proj=torch.randn(4, 256, 128, generator=generator) * 0.05)
+    experts = Fp8Experts(block).to(device)
+    x = torch.randn(8, 256, generator=generator).to(device)
+    index = torch.stack([torch.randperm(4, generator=generator)[:2] for _ in range(8)])
+    weights = torch.rand(8, 2, generator=generator)
+    index, weights = index.to(device), weights.to(device)
+    errors = []
+    # fp32: only the order of the sums differs. bf16 (the engine's dtype, a kernel of its
+    # own): its roundings move activations to other FP8 values, a few % of the whole
+    for dtype, bound in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
+        try:
+            got = experts.fused(x.to(dtype), index, weights).float()
+        except Exception as err:  # noqa: BLE001 (any failure of a kernel build or launch)
+            _Experts.fused = False
+            _Experts.reason = f"reference (the grouped GEMMs failed: {str(err).splitlines()[0]})"
+            return
+        want = experts.reference(x.to(dtype), index, weights).float()
+        errors.append(float((got - want).norm() / want.norm()))
+        if errors[-1] >= bound:
+            _Experts.fused = False
+            _Experts.reason = (f"reference (the grouped GEMMs differ from it by "
+                               f"{errors[-1]:.3g} relative in {dtype})")
+            return
+    _Experts.fused, _Experts.reason = True, "Triton grouped GEMMs (fp8_moe_triton)"
+
+
+def experts_backend(device: torch.device | str = "cuda") -> str:
+    """How this process runs FP8 experts on ``device``, and why (the reference on CPU)."""
+    return _Experts.reason if torch.device(device).type == "cuda" else "reference (CPU)"
+
+
+def fused_experts_available(device: torch.device | str = "cuda") -> bool:
+    """Whether :class:`Fp8Experts` on ``device`` runs the grouped GEMMs (CUDA graphs can
+    capture those; the reference reads the chosen experts on the host). Probes on first use."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return False
+    if _Experts.fused is None:
+        with _Backend.lock:
+            if _Experts.fused is None:
+                _probe_experts(device)
+    return bool(_Experts.fused)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
@@ -235,13 +293,18 @@ class Fp8Experts(nn.Module):
         """As transformers' expert block: each chosen expert on its rows, weighted, summed. On
         CUDA with Triton, grouped GEMMs that a CUDA graph captures (:mod:`.fp8_moe_triton`);
         elsewhere :meth:`reference`."""
-        if hidden_states.is_cuda and fused_experts_available():
-            from megarl.rollout.local.fp8_moe_triton import fp8_moe
-
-            return fp8_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
-                           self.gate_up_proj_scale_inv, self.down_proj,
-                           self.down_proj_scale_inv, self.act_fn)
+        if hidden_states.is_cuda and fused_experts_available(hidden_states.device):
+            return self.fused(hidden_states, top_k_index, top_k_weights)
         return self.reference(hidden_states, top_k_index, top_k_weights)
+
+    def fused(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The Triton grouped GEMMs (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+        from megarl.rollout.local.fp8_moe_triton import fp8_moe
+
+        return fp8_moe(hidden_states, top_k_index, top_k_weights, self.gate_up_proj,
+                       self.gate_up_proj_scale_inv, self.down_proj, self.down_proj_scale_inv,
+                       self.act_fn)
 
     def reference(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                   top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -289,6 +352,8 @@ def quantize_model(model: nn.Module) -> int:
     device = next(model.parameters()).device
     if device.type == "cuda" and _Backend.scaled_mm is None:
         _probe(device)  # now, not inside the first CUDA-graph capture
+    if device.type == "cuda" and any(isinstance(m, Fp8Experts) for m in model.modules()):
+        fused_experts_available(device)  # the same
     return replaced
 
 

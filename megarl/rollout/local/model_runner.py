@@ -29,7 +29,12 @@ from typing import Literal
 import torch
 from torch import nn
 
-from megarl.rollout.local.fp8_layers import Fp8Experts, fused_experts_available, quantize_model
+from megarl.rollout.local.fp8_layers import (
+    Fp8Experts,
+    experts_backend,
+    fused_experts_available,
+    quantize_model,
+)
 from megarl.rollout.local.lora_serving import LoraServing
 from megarl.rollout.local.sampling import FusedSampling
 from megarl.rollout.local.static_kv import NativeDecoder, PrefillKV, native_unsupported_reason
@@ -185,9 +190,10 @@ class ModelRunner:
         if backend not in ("auto", "hf", "native"):
             raise ValueError(f"backend={backend!r}: choose 'auto', 'hf' or 'native'")
         reason = native_unsupported_reason(self.model)
-        if reason is None and self.device.type == "cuda" and not fused_experts_available() and \
-                any(isinstance(m, Fp8Experts) for m in self.model.modules()):
-            reason = "FP8 experts without Triton (their grouped GEMMs are Triton kernels)"
+        if reason is None and self.device.type == "cuda" and any(
+                isinstance(m, Fp8Experts) for m in self.model.modules()) and \
+                not fused_experts_available(self.device):
+            reason = f"FP8 experts on their {experts_backend(self.device)}"
         if reason is None and self.lora is not None:
             reason = "LoRA serving (--enable-lora: adapters run as hooks of the HF modules)"
         if backend == "native" and reason is not None:
