@@ -166,6 +166,7 @@ class _Experts:
     """Whether :class:`Fp8Experts` on CUDA runs the Triton grouped GEMMs: decided once per
     process by :func:`_probe_experts`."""
 
+    lock = threading.Lock()  # not _Backend's: the probe's reference takes that one
     fused: bool | None = None
     reason = "not used yet"
 
@@ -218,7 +219,7 @@ def fused_experts_available(device: torch.device | str = "cuda") -> bool:
     if device.type != "cuda":
         return False
     if _Experts.fused is None:
-        with _Backend.lock:
+        with _Experts.lock:
             if _Experts.fused is None:
                 _probe_experts(device)
     return bool(_Experts.fused)
