@@ -86,9 +86,14 @@ def check_fused_matches_reference(device: str, dtype: torch.dtype = torch.float3
         got = fused(module, x, index, weights)
         assert got.dtype == want.dtype == dtype and got.shape == want.shape == x.shape
         diff = got.float() - want.float()
-        if dtype == torch.float32:  # the order of the fp32 sums only
+        if dtype == torch.float32 and device == "cpu":  # the order of the fp32 sums only
             error = float(diff.abs().max() / want.abs().max())
             assert error < 1e-5, (hidden, width, error)
+        elif dtype == torch.float32:
+            # on the GPU both sides sum FP8 products in the tensor cores' precision (cuBLAS's
+            # block-scaled GEMM, Triton's fp8 dot): 0.5% of the largest output on the H200
+            error = float(diff.norm() / want.float().norm())
+            assert error < 1e-2, (hidden, width, error)
         else:
             # bf16 rounds each GEMM's output, and a rounding step upstream can move an
             # activation to the next FP8 value (1/16 of it): the reference itself is ~3% off

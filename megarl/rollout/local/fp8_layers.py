@@ -188,9 +188,10 @@ def _probe_experts(device: torch.device) -> None:
     weights = torch.rand(8, 2, generator=generator)
     index, weights = index.to(device), weights.to(device)
     errors = []
-    # fp32: only the order of the sums differs. bf16 (the engine's dtype, a kernel of its
-    # own): its roundings move activations to other FP8 values, a few % of the whole
-    for dtype, bound in ((torch.float32, 1e-4), (torch.bfloat16, 0.1)):
+    # fp32: the order of the sums differs, and on the GPU both sides sum FP8 products in the
+    # tensor cores' precision (measured 0.4% apart on the H200). bf16 (the engine's dtype, a
+    # kernel of its own): its roundings move activations to other FP8 values, a few %
+    for dtype, bound in ((torch.float32, 2e-2), (torch.bfloat16, 0.1)):
         try:
             got = experts.fused(x.to(dtype), index, weights).float()
         except Exception as err:  # noqa: BLE001 (any failure of a kernel build or launch)
