@@ -217,6 +217,14 @@ class OverHTTP:
         asyncio.run(self._run(lengths))
 
 
+def native_state(native) -> dict[str, Any]:
+    """What the native decoder actually ran with: its fast paths, and whether its decode steps
+    ran as CUDA graphs (``cuda_graphs`` turns off after a failed capture)."""
+    return {"flash_decode": native.flash, "fast_kernels": native.fast_kernels,
+            "cuda_graphs": native.use_graphs, "capture_failures": native.capture_failures,
+            "graphs_captured": len(native._graphs)}
+
+
 def measure(
     methods: dict[str, Callable[[list[int]], None]],
     scenarios: dict[str, list[int]],
@@ -344,13 +352,11 @@ def run_shape(args: argparse.Namespace, shape: str, root: Path) -> dict[str, Any
         "results": results,
     }
     if runner.native is not None:
-        row["native"] = {
-            "flash_decode": runner.native.flash,
-            "fast_kernels": runner.native.fast_kernels,
-            "cuda_graphs": runner.native.use_graphs,
-        }
+        row["native"] = native_state(runner.native)
     if fp8_runner is not None:
         row["fp8_backend"] = fp8_runner.backend
+        if fp8_runner.native is not None:  # did its decode graphs capture? (after the runs)
+            row["fp8_native"] = native_state(fp8_runner.native)
         row["fp8_vs_bf16"] = {s: by["engine_fp8"] / by["engine"] for s, by in results.items()}
     if on_gpu:
         bandwidth = copy_bandwidth(args.device)
@@ -360,9 +366,10 @@ def run_shape(args: argparse.Namespace, shape: str, root: Path) -> dict[str, Any
             for s, lengths in scenarios.items()
         }
         if fp8_runner is not None:
-            from megarl.rollout.local.fp8_layers import gemm_backend
+            from megarl.rollout.local.fp8_layers import experts_backend, gemm_backend
 
             row["fp8_gemm"] = gemm_backend()
+            row["fp8_experts"] = experts_backend()
             row["floor_tokens_per_s_fp8"] = {
                 s: decode_floor_tokens_per_s(fp8_runner.model, prompts, lengths, bandwidth)
                 for s, lengths in scenarios.items()
