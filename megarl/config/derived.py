@@ -132,24 +132,34 @@ def rollout_pool_gpus(cfg: RunConfig) -> int | None:
     return None if pool is None else pool.world_size
 
 
-def kv_cache_sequences(cfg: RunConfig, model: ModelInfo | None,
-                       engine_resident: int = 0) -> int | None:
-    """Full-length sequences whose KV cache fits in one engine, when GPU memory is known.
-
-    SGLang's sizing: the engine takes ``gpu_memory_utilization`` of what is free on its GPU when
-    it loads, which for a colocated engine is the GPU less ``engine_resident`` (what the train
-    roles keep while it generates: :func:`megarl.config.estimates.resolve_sizes` passes it); its
-    weights (in block FP8 with ``rollout.quantization=fp8``) come out of that share first."""
-    mem_gb = cfg.resources.gpu_memory_gb
-    if model is None or mem_gb is None:
-        return None
+def engine_share(cfg: RunConfig, model: ModelInfo, engine_resident: int = 0
+                 ) -> tuple[int | None, int | None, int, int]:
+    """One engine GPU as SGLang sizes it: (what is free when the engine loads, the share it takes
+    of that for its weights and KV pool, its weights, the KV bytes of one full-length sequence);
+    the first two None without ``resources.gpu_memory_gb``. The engine takes
+    ``gpu_memory_utilization`` of what is free, which for a colocated engine is the GPU less
+    ``engine_resident`` (what the train roles keep while it generates); its weights are block
+    FP8 with ``rollout.quantization=fp8``."""
     dtype = cfg.rollout.dtype or cfg.model.dtype
     tp = cfg.rollout.gpus_per_engine
-    free = max(0, int(mem_gb * 2**30) - engine_resident)
-    usable = int(free * cfg.rollout.gpu_memory_utilization)
     weights = math.ceil(model.weight_bytes(dtype, cfg.rollout.quantization) / tp)
     per_seq = model.kv_bytes_per_token(dtype, tp) * (
         cfg.data.max_prompt_length + cfg.data.max_response_length)
+    mem_gb = cfg.resources.gpu_memory_gb
+    if mem_gb is None:
+        return None, None, weights, per_seq
+    free = max(0, int(mem_gb * 2**30) - engine_resident)
+    return free, int(free * cfg.rollout.gpu_memory_utilization), weights, per_seq
+
+
+def kv_cache_sequences(cfg: RunConfig, model: ModelInfo | None,
+                       engine_resident: int = 0) -> int | None:
+    """Full-length sequences whose KV cache fits in one engine (:func:`engine_share`; its
+    ``engine_resident`` comes from :func:`megarl.config.estimates.resolve_sizes`), when GPU
+    memory is known."""
+    if model is None or cfg.resources.gpu_memory_gb is None:
+        return None
+    _, usable, weights, per_seq = engine_share(cfg, model, engine_resident)
     return max(0, (usable - weights) // per_seq)
 
 

@@ -63,7 +63,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from megarl.config.derived import DerivedSizes, RoleLayout, derive_sizes, is_whole
+from megarl.config.derived import DerivedSizes, RoleLayout, derive_sizes, engine_share, is_whole
 from megarl.config.lora_layers import (
     adapter_counts,
     is_excluded,
@@ -451,19 +451,13 @@ def engine_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
     """One rollout-engine GPU (None without a rollout pool)."""
     if sizes.rollout_pool_gpus is None:
         return None
-    rollout, mem_gb = cfg.rollout, cfg.resources.gpu_memory_gb
-    dtype = rollout.dtype or cfg.model.dtype
-    tp = rollout.gpus_per_engine
-    resident = train_resident if rollout.colocate else 0
-    free = None if mem_gb is None else max(0, int(mem_gb * GB) - resident)
+    resident = train_resident if cfg.rollout.colocate else 0
+    free, usable, weights, per_seq = engine_share(cfg, model, resident)
     return EngineMemory(
-        gpus_per_engine=tp,
-        weights=math.ceil(model.weight_bytes(dtype, rollout.quantization) / tp),
-        kv_bytes_per_sequence=model.kv_bytes_per_token(dtype, tp) * sizes.max_sequence_length,
-        free_at_load=free,
-        usable=None if free is None else int(free * rollout.gpu_memory_utilization),
+        gpus_per_engine=cfg.rollout.gpus_per_engine, weights=weights,
+        kv_bytes_per_sequence=per_seq, free_at_load=free, usable=usable,
         max_num_seqs=sizes.max_num_seqs, train_resident=resident,
-        colocated=rollout.colocate)
+        colocated=cfg.rollout.colocate)
 
 
 def estimate(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes) -> Estimates:

@@ -81,6 +81,16 @@ def _blocks(tensor: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
     return padded.view(rows, block[0], cols, block[1])
 
 
+def _to_fp8(values: torch.Tensor, dims: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``values`` divided by the scale ``amax / 448`` of each group spanning ``dims`` (kept
+    as size 1; an all-zero group gets scale 1) and rounded to e4m3: (fp8 values, scales)."""
+    amax = values.abs().amax(dim=tuple(dims), keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # |values / scale| <= 448 up to fp32 rounding; the clamp keeps a rounding above 448 from
+    # turning into NaN (e4m3fn has no infinity)
+    return (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+
+
 def quantize_blockwise(weight: torch.Tensor, block: Sequence[int] = BLOCK
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 weight, fp32 ``weight_scale_inv``) of a 2-D ``weight`` (any float dtype): each block
@@ -90,11 +100,7 @@ def quantize_blockwise(weight: torch.Tensor, block: Sequence[int] = BLOCK
     if not torch.isfinite(weight).all():
         raise ValueError("blockwise FP8: the weight holds inf or NaN")
     blocks = _blocks(weight, block)
-    amax = blocks.abs().amax(dim=(1, 3), keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    # |blocks / scale| <= 448 up to fp32 rounding; the clamp keeps a rounding above 448 from
-    # turning into NaN (e4m3fn has no infinity)
-    quantized = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    quantized, scale = _to_fp8(blocks, (1, 3))
     rows, cols = weight.shape
     quantized = quantized.view(blocks.shape[0] * block[0], -1)[:rows, :cols].contiguous()
     return quantized, scale.view(blocks.shape[0], blocks.shape[2]).contiguous()
@@ -125,9 +131,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     groups = -(-cols // GROUP)
     padded = F.pad(x.float(), (0, groups * GROUP - cols)).view(rows, groups, GROUP)
-    amax = padded.abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    quantized = (padded / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    quantized, scale = _to_fp8(padded, (-1,))
     return quantized.view(rows, -1)[:, :cols], scale.squeeze(-1)
 
 

@@ -16,7 +16,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 
 import fp8_moe_checks as checks
 
-from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.local import fp8_layers
 
 
@@ -52,25 +51,7 @@ def test_grouped_gemms_replay_in_a_cuda_graph():
 def test_the_native_decoder_runs_fp8_experts_in_its_graphs(tmp_path):
     """A Qwen3-MoE engine in FP8 decodes on the native path, every decode graph captured, with
     the HF path's next-token log-probs (both run the grouped GEMMs)."""
-    from megarl.rollout.local.model_runner import ModelRunner
-
-    model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0, head_dim=64,
-                                hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                moe_intermediate_size=128, with_tokenizer=False)
-    runners = [ModelRunner(model_dir, device="cuda", dtype="bfloat16", quantization="fp8",
-                           backend=backend) for backend in ("native", "hf")]
-    assert [r.backend for r in runners] == ["native", "hf"]
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 40, 17)]
-    logits = []
-    for runner in runners:
-        out, kv = runner.prefill(seqs, routes=False)
-        runner.append_rows(kv, [0, 1, 2])
-        logits.append(out.logits)
-    for _ in range(6):
-        tokens = logits[0].argmax(-1).tolist()
-        logits = [r.decode(tokens, routes=False).logits for r in runners]
-        native, hf = (torch.log_softmax(x.float(), -1) for x in logits)
-        assert (native - hf).abs().max() < 0.1
+    runners, gaps = checks.native_and_hf_runners(tmp_path, "cuda", "bfloat16", decode_steps=6)
+    assert max(gaps) < 0.1, gaps
     assert runners[0].native.use_graphs and runners[0].native.capture_failures == 0
     assert fp8_layers.experts_backend() == "Triton grouped GEMMs (fp8_moe_triton)"

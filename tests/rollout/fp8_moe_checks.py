@@ -1,7 +1,8 @@
 """Checks of the block-FP8 experts' Triton grouped GEMMs (``fp8_moe_triton``) against the
 expert-by-expert reference (``Fp8Experts.reference``), on any device: CUDA in tests/gpu, CPU
-tensors under ``TRITON_INTERPRET=1`` in tests/rollout/test_fp8_moe_interpreted.py. (A uniquely
-named module: both import it.)"""
+tensors under ``TRITON_INTERPRET=1`` in tests/rollout/test_fp8_moe_interpreted.py; and an FP8
+MoE engine's native decoder against its HF path (tests/rollout/test_fp8_engine.py on CPU,
+tests/gpu on CUDA). Triton is imported only by the kernel checks. (A uniquely named module.)"""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.local.fp8_layers import Fp8Experts
-from megarl.rollout.local.fp8_moe_triton import BLOCK_M, fp8_moe, sort_by_expert
 
 
 def random_experts(experts: int, hidden: int, width: int, device: str, seed: int = 0
@@ -40,13 +41,14 @@ def random_routes(tokens: int, experts: int, top_k: int, device: str, seed: int 
 
 def fused(module: Fp8Experts, x: torch.Tensor, index: torch.Tensor,
           weights: torch.Tensor) -> torch.Tensor:
-    return fp8_moe(x, index, weights, module.gate_up_proj, module.gate_up_proj_scale_inv,
-                   module.down_proj, module.down_proj_scale_inv, module.act_fn)
+    return module.fused(x, index, weights)
 
 
 def check_sort_by_expert(device: str) -> None:
     """Every (token, slot) pair once, each block one expert's pairs in token order, padding
     marked with the pair count, the length fixed by the shapes."""
+    from megarl.rollout.local.fp8_moe_triton import BLOCK_M, sort_by_expert
+
     experts, tokens, top_k = 5, 23, 3
     index, _ = random_routes(tokens, experts, top_k, device, only=2)
     index[4] = torch.tensor([0, 1, 3])  # expert 4 chosen by few rows, none by some: fine
@@ -104,3 +106,31 @@ def check_fused_matches_reference(device: str, dtype: torch.dtype = torch.float3
             assert off[0] < 1.2 * off[1] + 2e-3, (hidden, width, off)
         worst = max(worst, error)
     return worst
+
+
+def native_and_hf_runners(tmp_path, device: str, dtype: str, decode_steps: int):
+    """An FP8 Qwen3-MoE on the native decoder and on the HF path, three prompts prefilled, then
+    ``decode_steps`` greedy steps (the native one's tokens fed to both): (the two runners, each
+    step's largest gap between their next-token log-probs)."""
+    from megarl.rollout.local.model_runner import ModelRunner
+
+    model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0, head_dim=64,
+                                hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                moe_intermediate_size=128, with_tokenizer=False)
+    runners = [ModelRunner(model_dir, device=device, dtype=dtype, quantization="fp8",
+                           backend=backend) for backend in ("native", "hf")]
+    assert [r.backend for r in runners] == ["native", "hf"]
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 40, 17)]
+    logits = []
+    for runner in runners:
+        out, kv = runner.prefill(seqs, routes=False)
+        runner.append_rows(kv, [0, 1, 2])
+        logits.append(out.logits)
+    gaps = []
+    for _ in range(decode_steps):
+        tokens = logits[0].argmax(-1).tolist()
+        logits = [r.decode(tokens, routes=False).logits for r in runners]
+        native, hf = (torch.log_softmax(x.float(), -1) for x in logits)
+        gaps.append(float((native - hf).abs().max()))
+    return runners, gaps

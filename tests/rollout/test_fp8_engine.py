@@ -12,6 +12,7 @@ import httpx
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_moe_checks import native_and_hf_runners
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.local.fp8_layers import (
@@ -200,21 +201,5 @@ def test_an_fp8_server_generates_and_reports_its_gemm(tmp_path: Path):
 def test_the_native_decoder_takes_fp8_experts(tmp_path: Path):
     """An FP8 Qwen3-MoE decodes on the native path (on CUDA inside its decode graphs, through
     the Triton grouped GEMMs: tests/gpu/test_fp8_moe_gpu.py) with the HF path's log-probs."""
-    model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0, head_dim=64,
-                                hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                moe_intermediate_size=128, with_tokenizer=False)
-    runners = [ModelRunner(model_dir, dtype="float32", quantization="fp8", backend=backend)
-               for backend in ("native", "hf")]
-    assert [r.backend for r in runners] == ["native", "hf"]
-    g = torch.Generator().manual_seed(0)
-    seqs = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 40, 17)]
-    logits = []
-    for runner in runners:
-        out, kv = runner.prefill(seqs, routes=False)
-        runner.append_rows(kv, [0, 1, 2])
-        logits.append(out.logits)
-    for _ in range(4):
-        tokens = logits[0].argmax(-1).tolist()
-        logits = [r.decode(tokens, routes=False).logits for r in runners]
-        native, hf = (torch.log_softmax(x.float(), -1) for x in logits)
-        assert (native - hf).abs().max() < 1e-5
+    _, gaps = native_and_hf_runners(tmp_path, "cpu", "float32", decode_steps=4)
+    assert max(gaps) < 1e-5, gaps
