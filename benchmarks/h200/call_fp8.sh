@@ -4,6 +4,7 @@
 # benchmarks/results/. One shape a call (both did not finish 64 prompts in 200 s on an H100):
 #   bash benchmarks/h200/call_fp8.sh                      # e2e_moe
 #   FP8_SHAPES=e2e_dense FP8_TESTS=0 bash benchmarks/h200/call_fp8.sh
+#   FP8_MICRO=1 FP8_TESTS=0 FP8_PROMPTS= bash ...   # only fp8_gemm_micro.py (per-projection us)
 # Each generation's seconds go to $OUT/fp8_decode_<prompts>.log as they happen.
 source benchmarks/h200/setup.sh
 if [ "${FP8_TESTS:-1}" = 1 ]; then
@@ -11,6 +12,11 @@ if [ "${FP8_TESTS:-1}" = 1 ]; then
     > $OUT/fp8_gpu_tests.log 2>&1
   echo "fp8 gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|assert" \
     $OUT/fp8_gpu_tests.log | tail -12
+fi
+if [ "${FP8_MICRO:-0}" = 1 ]; then  # per-projection us, bf16 vs FP8, in CUDA graphs
+  timeout 120 python3 benchmarks/h200/fp8_gemm_micro.py --out $OUT/fp8_gemm_micro.json \
+    > $OUT/fp8_gemm_micro.log 2>&1
+  echo "fp8 gemm micro rc=$?"; tail -16 $OUT/fp8_gemm_micro.log
 fi
 for prompts in ${FP8_PROMPTS:-64 512}; do
   timeout ${FP8_TIMEOUT:-240} python3 benchmarks/rollout_throughput.py --device cuda --no-http \
