@@ -48,10 +48,17 @@ def test_grouped_gemms_replay_in_a_cuda_graph():
         assert torch.equal(out, checks.fused(module, inputs, routes, route_weights))
 
 
-def test_the_native_decoder_runs_fp8_experts_in_its_graphs(tmp_path):
-    """A Qwen3-MoE engine in FP8 decodes on the native path, every decode graph captured, with
-    the HF path's next-token log-probs (both run the grouped GEMMs)."""
-    runners, gaps = checks.native_and_hf_runners(tmp_path, "cuda", "bfloat16", decode_steps=6)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
+def test_the_native_decoder_runs_fp8_in_its_graphs(tmp_path, arch):
+    """A Qwen3-MoE (and a dense Qwen3) engine in FP8 decodes on the native path, every decode
+    graph captured, with the HF path's next-token log-probs (both run the grouped GEMMs and the
+    block-scaled GEMMs; the native path's q/k/v and gate/up fused)."""
+    runners, gaps = checks.native_and_hf_runners(tmp_path, "cuda", "bfloat16", decode_steps=6,
+                                                 arch=arch)
     assert max(gaps) < 0.1, gaps
     assert runners[0].native.use_graphs and runners[0].native.capture_failures == 0
-    assert fp8_layers.experts_backend() == "Triton grouped GEMMs (fp8_moe_triton)"
+    fused = runners[0].native._fused_layers()[0]
+    assert fused.qkv.scale_inv is not None
+    assert (fused.gate_up is not None) == (arch == "qwen3")
+    if arch == "qwen3_moe":
+        assert fp8_layers.experts_backend() == "Triton grouped GEMMs (fp8_moe_triton)"

@@ -108,15 +108,19 @@ def check_fused_matches_reference(device: str, dtype: torch.dtype = torch.float3
     return worst
 
 
-def native_and_hf_runners(tmp_path, device: str, dtype: str, decode_steps: int):
-    """An FP8 Qwen3-MoE on the native decoder and on the HF path, three prompts prefilled, then
-    ``decode_steps`` greedy steps (the native one's tokens fed to both): (the two runners, each
-    step's largest gap between their next-token log-probs)."""
+def native_and_hf_runners(tmp_path, device: str, dtype: str, decode_steps: int,
+                          arch: str = "qwen3_moe"):
+    """An FP8 Qwen3-MoE (or dense Qwen3: ``arch``) on the native decoder and on the HF path,
+    three prompts prefilled, then ``decode_steps`` greedy steps (the native one's tokens fed to
+    both): (the two runners, each step's largest gap between their next-token log-probs). Every
+    projection is whole 128-row blocks, so on CUDA the native decoder fuses q/k/v (and the dense
+    gate/up) into one FP8 GEMM each."""
     from megarl.rollout.local.model_runner import ModelRunner
 
-    model_dir = make_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=0, head_dim=64,
+    mlp = {"moe_intermediate_size": 128} if arch == "qwen3_moe" else {"intermediate_size": 384}
+    model_dir = make_tiny_model(tmp_path / arch, arch=arch, seed=0, head_dim=64,
                                 hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
-                                moe_intermediate_size=128, with_tokenizer=False)
+                                with_tokenizer=False, **mlp)
     runners = [ModelRunner(model_dir, device=device, dtype=dtype, quantization="fp8",
                            backend=backend) for backend in ("native", "hf")]
     assert [r.backend for r in runners] == ["native", "hf"]

@@ -198,8 +198,10 @@ def test_an_fp8_server_generates_and_reports_its_gemm(tmp_path: Path):
     assert state["fp8_gemm"] == state["fp8_experts"] == "reference (CPU)"
 
 
-def test_the_native_decoder_takes_fp8_experts(tmp_path: Path):
-    """An FP8 Qwen3-MoE decodes on the native path (on CUDA inside its decode graphs, through
-    the Triton grouped GEMMs: tests/gpu/test_fp8_moe_gpu.py) with the HF path's log-probs."""
-    _, gaps = native_and_hf_runners(tmp_path, "cpu", "float32", decode_steps=4)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
+def test_the_native_decoder_takes_fp8_models(tmp_path: Path, arch: str):
+    """An FP8 Qwen3-MoE (and dense Qwen3) decodes on the native path (on CUDA inside its decode
+    graphs, through the Triton grouped GEMMs and fused FP8 projections:
+    tests/gpu/test_fp8_moe_gpu.py) with the HF path's log-probs."""
+    _, gaps = native_and_hf_runners(tmp_path, "cpu", "float32", decode_steps=4, arch=arch)
     assert max(gaps) < 1e-5, gaps

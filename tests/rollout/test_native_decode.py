@@ -139,15 +139,58 @@ def test_fused_projections_alias_the_live_weights(model_dir):
     x = torch.randn(5, runner.model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     separate = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
     fused = FusedLayer.of(layer)
-    torch.testing.assert_close(torch.nn.functional.linear(x, *fused.qkv), separate)
-    assert attn.k_proj.weight.data_ptr() == fused.qkv[0][fused.qkv_sizes[0]:].data_ptr()
+    assert fused.qkv.scale_inv is None
+    torch.testing.assert_close(fused.qkv(x), separate)
+    assert attn.k_proj.weight.data_ptr() == fused.qkv.weight[fused.qkv_sizes[0]:].data_ptr()
     if hasattr(layer.mlp, "gate_proj"):
-        gate_up = torch.nn.functional.linear(x, *fused.gate_up)
-        torch.testing.assert_close(gate_up, torch.cat([layer.mlp.gate_proj(x),
-                                                       layer.mlp.up_proj(x)], dim=-1))
+        torch.testing.assert_close(fused.gate_up(x), torch.cat([layer.mlp.gate_proj(x),
+                                                                layer.mlp.up_proj(x)], dim=-1))
     new_k = torch.randn_like(attn.k_proj.weight)
     WeightMap(runner.model).load("model.layers.0.self_attn.k_proj.weight", new_k)
     start, size = fused.qkv_sizes[0], fused.qkv_sizes[1]
-    assert torch.equal(fused.qkv[0][start:start + size], new_k)
-    torch.testing.assert_close(torch.nn.functional.linear(x, *fused.qkv)[:, start:start + size],
-                               x @ new_k.T)
+    assert torch.equal(fused.qkv.weight[start:start + size], new_k)
+    torch.testing.assert_close(fused.qkv(x)[:, start:start + size], x @ new_k.T)
+
+
+def test_fp8_projections_fuse_their_blocks_and_take_weight_updates(tmp_path):
+    """Block-FP8 q/k/v and gate/up of whole 128-row blocks fuse as SGLang's FP8 qkv and gate_up
+    layers do: the fused weight and ``weight_scale_inv`` are the concatenations, one w8a8 GEMM
+    equals the separate ones, and a synced FP8 weight and its scales land in the fused tensors.
+    Projections whose rows straddle a block are left unfused."""
+    from megarl.rollout.local.fp8_layers import fp8_matmul_reference
+    from megarl.rollout.local.fused_projections import FusedLayer
+    from megarl.rollout.local.weights import WeightMap
+    from megarl.weights.fp8 import quantize_blockwise
+
+    model_dir = make_tiny_model(tmp_path / "dense", arch="qwen3", seed=0, head_dim=64,
+                                hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+                                intermediate_size=384, with_tokenizer=False)
+    runner = ModelRunner(model_dir, backend="hf", quantization="fp8")
+    layer = runner.model.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(0))
+    separate_qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
+    separate_gate_up = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)
+    fused = FusedLayer.of(layer)
+    assert fused.qkv_sizes == (256, 128, 128)
+    assert fused.qkv.weight.dtype == torch.float8_e4m3fn and fused.qkv.scale_inv.shape == (4, 2)
+    assert fused.gate_up.weight.shape == (768, 256) and fused.gate_up.scale_inv.shape == (6, 2)
+    torch.testing.assert_close(fused.qkv(x), separate_qkv, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fused.gate_up(x), separate_gate_up, atol=1e-6, rtol=1e-6)
+    assert attn.v_proj.weight_scale_inv.data_ptr() == fused.qkv.scale_inv[3:].data_ptr()
+    # a weight sync writes the k projection's FP8 weight and scales (fp8_payload's names)
+    new_k, new_scale = quantize_blockwise(torch.randn(128, 256, generator=torch.Generator()
+                                                      .manual_seed(1)))
+    weights = WeightMap(runner.model)
+    weights.load("model.layers.0.self_attn.k_proj.weight", new_k)
+    weights.load("model.layers.0.self_attn.k_proj.weight_scale_inv", new_scale)
+    assert torch.equal(fused.qkv.weight[256:384].float(), new_k.float())
+    assert torch.equal(fused.qkv.scale_inv[2:3], new_scale)
+    torch.testing.assert_close(fused.qkv(x)[:, 256:384], fp8_matmul_reference(x, new_k, new_scale),
+                               atol=1e-6, rtol=1e-6)
+    # k/v of 64 rows each (half a block): not fused, the projections run on their own
+    odd = make_tiny_model(tmp_path / "odd", arch="qwen3", seed=0, head_dim=64, hidden_size=256,
+                          num_attention_heads=4, num_key_value_heads=1, intermediate_size=384,
+                          with_tokenizer=False)
+    odd_layer = ModelRunner(odd, backend="hf", quantization="fp8").model.model.layers[0]
+    assert FusedLayer.of(odd_layer).qkv is None

@@ -254,7 +254,7 @@ class NativeDecoder:
         x = self._norm(layer.input_layernorm, h)
         if fused is not None and fused.qkv is not None:
             q, k, v = (t.unflatten(-1, (-1, self.head_dim))
-                       for t in F.linear(x, *fused.qkv).split(fused.qkv_sizes, dim=-1))
+                       for t in fused.qkv(x).split(fused.qkv_sizes, dim=-1))
         else:
             q = attn.q_proj(x).view(n, -1, self.head_dim)
             k = attn.k_proj(x).view(n, -1, self.head_dim)
@@ -273,7 +273,7 @@ class NativeDecoder:
         mlp = layer.mlp
         if not hasattr(mlp, "experts"):
             if fused is not None and fused.gate_up is not None and self._plain_silu():
-                return h + mlp.down_proj(self._swiglu(F.linear(x, *fused.gate_up)))
+                return h + mlp.down_proj(self._swiglu(fused.gate_up(x)))
             return h + mlp(x)
         all_experts = step is not None and self._all_experts_ok(mlp.experts, n)
         dense = self._fused_routing(mlp.gate, x, routes) if all_experts else None
