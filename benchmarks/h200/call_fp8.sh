@@ -18,7 +18,7 @@ if [ "${FP8_MICRO:-0}" = 1 ]; then  # per-projection us, bf16 vs FP8, in CUDA gr
     > $OUT/fp8_gemm_micro.log 2>&1
   echo "fp8 gemm micro rc=$?"; tail -16 $OUT/fp8_gemm_micro.log
 fi
-for prompts in ${FP8_PROMPTS:-64 512}; do
+for prompts in ${FP8_PROMPTS-64 512}; do  # FP8_PROMPTS= (empty): none
   timeout ${FP8_TIMEOUT:-240} python3 benchmarks/rollout_throughput.py --device cuda --no-http \
     --quantization fp8 --shapes ${FP8_SHAPES:-e2e_moe} --num-prompts $prompts \
     --hf-repeats 0 --repeats 2 --out $OUT/fp8_decode_$prompts.json > $OUT/fp8_decode_$prompts.log 2>&1
