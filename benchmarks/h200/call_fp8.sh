@@ -14,9 +14,9 @@ if [ "${FP8_TESTS:-1}" = 1 ]; then
     $OUT/fp8_gpu_tests.log | tail -12
 fi
 if [ "${FP8_MICRO:-0}" = 1 ]; then  # per-projection us, bf16 vs FP8, in CUDA graphs
-  timeout 120 python3 benchmarks/h200/fp8_gemm_micro.py --out $OUT/fp8_gemm_micro.json \
+  timeout 150 python3 benchmarks/h200/fp8_gemm_micro.py --moe --out $OUT/fp8_gemm_micro.json \
     > $OUT/fp8_gemm_micro.log 2>&1
-  echo "fp8 gemm micro rc=$?"; tail -16 $OUT/fp8_gemm_micro.log
+  echo "fp8 gemm micro rc=$?"; tail -22 $OUT/fp8_gemm_micro.log
 fi
 for prompts in ${FP8_PROMPTS-64 512}; do  # FP8_PROMPTS= (empty): none
   timeout ${FP8_TIMEOUT:-240} python3 benchmarks/rollout_throughput.py --device cuda --no-http \

@@ -2,9 +2,12 @@
 the engine's FP8 linear (:func:`megarl.rollout.local.fp8_layers.fp8_linear`: activation
 quantization + block-scaled GEMM) and the activation quantization alone, each replayed in a CUDA
 graph (as the engine's decode runs them). Tells a slow block-scaled GEMM from graphs that did
-not capture when FP8 decode lags bf16 (issue 31). Writes JSON to ``--out``.
+not capture when FP8 decode lags bf16 (issue 31). ``--moe`` also times one expert layer of the
+e2e MoE slice (128 experts, hidden 2048, width 768, top-8): the FP8 grouped GEMMs
+(:mod:`megarl.rollout.local.fp8_moe_triton`) under each launch setting of ``MOE_LAUNCHES``
+against the bf16 all-experts GEMMs the native decoder runs at few rows. Writes JSON to ``--out``.
 
-    python benchmarks/h200/fp8_gemm_micro.py --out /tmp/fp8_gemm_micro.json
+    python benchmarks/h200/fp8_gemm_micro.py --moe --out /tmp/fp8_gemm_micro.json
 """
 
 from __future__ import annotations
@@ -12,17 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from megarl.rollout.local.fp8_layers import fp8_linear, gemm_backend
+from megarl.rollout.local import fp8_moe_triton
+from megarl.rollout.local.fp8_layers import Fp8Experts, fp8_linear, gemm_backend
 from megarl.weights.fp8 import quantize_activations, quantize_blockwise
 
 # (name, N, K): Qwen3-1.7B's projections (e2e dense) and the e2e MoE slice's attention
 SHAPES = [("dense.qkv_q", 2048, 2048), ("dense.k", 1024, 2048), ("dense.o", 2048, 2048),
           ("dense.gate", 6144, 2048), ("dense.down", 2048, 6144),
           ("moe.q", 4096, 2048), ("moe.o", 2048, 4096)]
+MOE = {"experts": 128, "hidden": 2048, "width": 768, "top_k": 8}
+MOE_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
+                for n in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
 
 
 def graph_us(fn, repeats: int = 200) -> float:
@@ -60,10 +68,57 @@ def eager_us(fn, repeats: int = 50) -> float:
     return start.elapsed_time(end) * 1000 / repeats
 
 
+def moe_rows(rows: list[int]) -> list[dict]:
+    """One e2e MoE expert layer: bf16 all-experts GEMMs against the FP8 grouped GEMMs under
+    each launch setting, replayed in CUDA graphs (us a layer)."""
+    e, h, i, top_k = MOE["experts"], MOE["hidden"], MOE["width"], MOE["top_k"]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    block = SimpleNamespace(
+        num_experts=e, hidden_dim=h, intermediate_dim=i, act_fn=F.silu,
+        gate_up_proj=torch.randn(e, 2 * i, h, device="cuda", generator=g) * 0.02,
+        down_proj=torch.randn(e, h, i, device="cuda", generator=g) * 0.02)
+    fp8 = Fp8Experts(block)
+    up_bf16 = block.gate_up_proj.to(torch.bfloat16)
+    down_bf16 = block.down_proj.to(torch.bfloat16)
+    default = dict(fp8_moe_triton.LAUNCH)
+    out = []
+    for m in rows:
+        x = torch.randn(m, h, device="cuda", dtype=torch.bfloat16)
+        index = torch.stack([torch.randperm(e, device="cuda")[:top_k] for _ in range(m)])
+        weights = torch.softmax(torch.randn(m, top_k, device="cuda"), -1).to(torch.bfloat16)
+
+        def bf16_all_experts(x: torch.Tensor = x, m: int = m) -> torch.Tensor:
+            gate_up = F.linear(x, up_bf16.view(-1, h)).view(m * e, 2 * i)
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = (F.silu(gate) * up).view(m, e, i).transpose(0, 1)
+            return torch.bmm(act, down_bf16.transpose(1, 2))
+
+        row = {"shape": "moe.experts", "m": m, "bf16_all_experts_graph_us":
+               graph_us(bf16_all_experts), "fp8_grouped": []}
+        for launch in MOE_LAUNCHES:
+            fp8_moe_triton.LAUNCH.update(launch)
+            try:
+                us = graph_us(partial(fp8.fused, x, index, weights))
+            except Exception as err:  # noqa: BLE001 - a setting that does not compile
+                us = f"failed: {str(err).splitlines()[0][:120]}"
+            row["fp8_grouped"].append({**launch, "graph_us": us})
+        fp8_moe_triton.LAUNCH.update(default)
+        timed = [r for r in row["fp8_grouped"] if isinstance(r["graph_us"], float)]
+        best = min(timed, key=lambda r: r["graph_us"]) if timed else None
+        row["fp8_best"] = best
+        row["fp8_default_graph_us"] = next(
+            (r["graph_us"] for r in row["fp8_grouped"]
+             if all(r[k] == v for k, v in default.items())), None)
+        print(json.dumps({k: v for k, v in row.items() if k != "fp8_grouped"}), flush=True)
+        out.append(row)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
+    parser.add_argument("--moe", action="store_true", help="also the FP8 grouped expert GEMMs")
     args = parser.parse_args()
     rows_out = []
     for name, n, k in SHAPES:
@@ -81,7 +136,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             rows_out.append(row)
     result = {"gemm_backend": gemm_backend("cuda"), "torch": torch.__version__,
-              "device": torch.cuda.get_device_name(), "rows": rows_out}
+              "device": torch.cuda.get_device_name(), "rows": rows_out,
+              "moe": moe_rows(args.rows) if args.moe else None}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print("gemm backend:", result["gemm_backend"])

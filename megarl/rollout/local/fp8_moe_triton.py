@@ -24,7 +24,9 @@ from megarl.weights.fp8 import GROUP, quantize_activations
 
 BLOCK_M = 16
 """Rows (token, expert pairs) per block: tl.dot's smallest M; decode sends few rows per expert."""
-BLOCK_N = 64
+LAUNCH = {"BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+"""The grouped GEMM's output tile width and Triton launch settings
+(``benchmarks/h200/fp8_gemm_micro.py --moe`` times the alternatives on a GPU)."""
 
 
 # ``pairs`` changes with the batch: one compiled kernel for every batch size, none compiled
@@ -98,12 +100,14 @@ def _gemm(acts: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
     quantized, scales = quantize_activations(acts)
     row_ids, block_expert, total = sorted_rows
     n, k = weight.shape[1:]
-    grid = (block_expert.numel(), triton.cdiv(n, BLOCK_N))
+    block_n = LAUNCH["BLOCK_N"]
+    grid = (block_expert.numel(), triton.cdiv(n, block_n))
     _grouped_fp8_gemm[grid](
         quantized, scales, weight, scale_inv, out, row_ids, block_expert, total, out.shape[0],
         n, k, split, -(-split // GROUP), quantized.stride(0), scales.stride(0), weight.stride(0),
         weight.stride(1), scale_inv.stride(0), scale_inv.stride(1), out.stride(0),
-        A_ROW_DIV=row_div, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=GROUP)
+        A_ROW_DIV=row_div, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=GROUP,
+        num_warps=LAUNCH["num_warps"], num_stages=LAUNCH["num_stages"])
 
 
 def fp8_moe(hidden_states: torch.Tensor, top_k_index: torch.Tensor,
