@@ -48,6 +48,13 @@ def test_grouped_gemms_replay_in_a_cuda_graph():
         assert torch.equal(out, checks.fused(module, inputs, routes, route_weights))
 
 
+def test_the_activation_quantization_kernel_rounds_as_torch_does():
+    """On the GPU, random inputs: the one-launch quantization gives the torch ops' bits, and the
+    engine's probe picks it for the block-scaled GEMMs."""
+    checks.check_quantize_activations("cuda", exact=False)
+    assert fp8_layers._probe_triton_quant(torch.device("cuda"))
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
 def test_the_native_decoder_runs_fp8_in_its_graphs(tmp_path, arch):
     """A Qwen3-MoE (and a dense Qwen3) engine in FP8 decodes on the native path, every decode
@@ -56,8 +63,11 @@ def test_the_native_decoder_runs_fp8_in_its_graphs(tmp_path, arch):
     runners, gaps = checks.native_and_hf_runners(tmp_path, "cuda", "bfloat16", decode_steps=6,
                                                  arch=arch)
     assert max(gaps) < 0.1, gaps
-    assert runners[0].native.use_graphs and runners[0].native.capture_failures == 0
-    fused = runners[0].native._fused_layers()[0]
+    native = runners[0].native
+    assert native.use_graphs and native.capture_failures == 0
+    # the check of the fast kernels runs FP8 layers w8a16 (unquantized_activations): kept
+    assert native.flash and native.fast_kernels
+    fused = native._fused_layers()[0]
     assert fused.qkv.scale_inv is not None
     assert (fused.gate_up is not None) == (arch == "qwen3")
     if arch == "qwen3_moe":

@@ -108,6 +108,42 @@ def check_fused_matches_reference(device: str, dtype: torch.dtype = torch.float3
     return worst
 
 
+def check_quantize_activations(device: str, exact: bool) -> None:
+    """The one-launch activation quantization (``fp8_quant_triton``) against the torch ops of
+    ``quantize_activations``, bit for bit, in fp32 and bf16: rows padded (zeros, scale 1), a
+    partial last group, an all-zero group, scales row-major or outer-dim-major. ``exact``: the
+    inputs are e4m3 values times a power of two per group (the interpreter's e4m3 rounding is
+    wrong at exponent carries, so on CPU only the indexing and layout are checked); else
+    random (the GPU's rounding)."""
+    import torch.nn.functional as F
+
+    from megarl.rollout.local.fp8_quant_triton import quantize_activations_triton
+    from megarl.weights.fp8 import FP8_MAX, quantize_activations
+
+    g = torch.Generator().manual_seed(5)
+    rows, k = 5, 300
+    if exact:
+        codes = torch.randint(0, 256, (rows, k), generator=g, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # e4m3fn's NaNs
+        values = codes.view(torch.float8_e4m3fn).float()
+        values[:, ::128] = FP8_MAX  # each group's amax: 448 x its power of two
+        x = values * 2.0 ** torch.randint(-8, 8, (rows, 1), generator=g).float()
+    else:
+        x = torch.randn(rows, k, generator=g) * 3
+    x[2, 128:256] = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = x.to(device, dtype)
+        for multiple, outer in ((1, False), (4, True)):
+            got, scales = quantize_activations_triton(inputs, multiple, scales_outer_major=outer)
+            padded = -(-rows // multiple) * multiple
+            want, want_scales = quantize_activations(F.pad(inputs, (0, 0, 0, padded - rows)))
+            assert got.shape == (padded, k) and scales.shape == (padded, 3)
+            assert scales.stride() == ((1, padded) if outer else (3, 1))
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (dtype, multiple)
+            assert torch.equal(scales, want_scales), (dtype, multiple)
+            assert float(scales[2, 1]) == 1.0 and not got[rows:].float().any()
+
+
 def native_and_hf_runners(tmp_path, device: str, dtype: str, decode_steps: int,
                           arch: str = "qwen3_moe"):
     """An FP8 Qwen3-MoE (or dense Qwen3: ``arch``) on the native decoder and on the HF path,

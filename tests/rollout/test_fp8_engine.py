@@ -23,6 +23,7 @@ from megarl.rollout.local.fp8_layers import (
     fp8_matmul_reference,
     padded_weight_scales,
     quantize_activations,
+    unquantized_activations,
 )
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.local.model_runner import ModelRunner
@@ -88,6 +89,44 @@ def test_fp8_linear_keeps_the_bias_and_the_shape():
     want = fp8_matmul_reference(x, fp8.weight, fp8.weight_scale_inv) + linear.bias
     assert torch.allclose(fp8(x), want, atol=1e-6)
     assert not any(p.requires_grad for p in fp8.parameters())
+
+
+def test_unquantized_activations_multiply_by_the_dequantized_weights():
+    """Inside ``unquantized_activations`` (the native decoder's check of its fast kernels) an
+    FP8 layer is w8a16: the activations as they are times the dequantized weight; the experts
+    too. Outside, and again after the block, w8a8."""
+    torch.manual_seed(3)
+    fp8 = Fp8Linear.of(torch.nn.Linear(256, 128, bias=True))
+    x = torch.randn(4, 256)
+    w8a16 = x @ dequantize_blockwise(fp8.weight, fp8.weight_scale_inv).T + fp8.bias
+    w8a8 = fp8_matmul_reference(x, fp8.weight, fp8.weight_scale_inv) + fp8.bias
+    assert (w8a8 - w8a16).abs().max() > 1e-4  # the activations' rounding is visible
+    with unquantized_activations():
+        torch.testing.assert_close(fp8(x), w8a16, atol=1e-6, rtol=1e-6)
+        with unquantized_activations():
+            pass
+        torch.testing.assert_close(fp8(x), w8a16, atol=1e-6, rtol=1e-6)  # nested: still on
+    torch.testing.assert_close(fp8(x), w8a8, atol=1e-6, rtol=1e-6)
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(4)
+    block = SimpleNamespace(num_experts=3, hidden_dim=256, intermediate_dim=128, act_fn=F.silu,
+                            gate_up_proj=torch.randn(3, 256, 256, generator=g) * 0.05,
+                            down_proj=torch.randn(3, 256, 128, generator=g) * 0.05)
+    experts = Fp8Experts(block)
+    index, weights = torch.tensor([[0, 2], [1, 0], [2, 1], [0, 1]]), torch.rand(4, 2)
+    want = torch.zeros_like(x)
+    for row in range(4):
+        for slot in range(2):
+            e = int(index[row, slot])
+            gate_up = x[row] @ dequantize_blockwise(experts.gate_up_proj[e],
+                                                    experts.gate_up_proj_scale_inv[e]).T
+            gate, up = gate_up.chunk(2)
+            down = dequantize_blockwise(experts.down_proj[e], experts.down_proj_scale_inv[e])
+            want[row] += weights[row, slot] * (F.silu(gate) * up) @ down.T
+    with unquantized_activations():
+        torch.testing.assert_close(experts(x, index, weights), want, atol=1e-5, rtol=1e-5)
+    assert (experts(x, index, weights) - want).abs().max() > 1e-5
 
 
 def test_fp8_experts_equal_transformers_loop_on_the_dequantized_weights():

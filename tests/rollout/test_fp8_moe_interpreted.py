@@ -45,6 +45,7 @@ def probe(patch):
     return [f._Experts.fused, f._Experts.reason]
 
 part("sort", lambda: c.check_sort_by_expert("cpu"))
+part("quantize", lambda: c.check_quantize_activations("cpu", exact=True))
 part("float32", lambda: c.check_fused_matches_reference("cpu", torch.float32))
 part("bfloat16", lambda: c.check_fused_matches_reference("cpu", torch.bfloat16))
 for patch in ("none", "failing", "wrong"):
@@ -77,6 +78,10 @@ def result(report: dict, name: str):
 
 def test_sort_by_expert_groups_every_pair_once(report):
     result(report, "sort")
+
+
+def test_the_activation_quantization_kernel_is_the_torch_ops(report):
+    result(report, "quantize")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

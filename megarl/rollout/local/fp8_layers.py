@@ -30,7 +30,10 @@ and ``[E, ceil(H/128), ceil(I/128)]`` (gate's block rows, then up's; SGLang's
 from __future__ import annotations
 
 import importlib.util
+import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -46,6 +49,8 @@ from megarl.weights.fp8 import (
     quantize_activations,
     quantize_blockwise,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def fp8_matmul_reference(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
@@ -64,6 +69,8 @@ def padded_weight_scales(scale_inv: torch.Tensor) -> torch.Tensor:
     """cuBLAS's layout of 128x128 weight scales: ``[L4, N/128]`` with the K blocks contiguous,
     L = ceil(K/128) padded to L4, a multiple of 4 (16-byte aligned columns)."""
     blocks_n, blocks_k = scale_inv.shape
+    if blocks_k % 4 == 0 and scale_inv.is_contiguous():
+        return scale_inv.t()  # already that layout: no copy in every decode step
     padded = scale_inv.new_zeros(blocks_n, -(-blocks_k // 4) * 4)
     padded[:, :blocks_k] = scale_inv
     return padded.t()
@@ -81,8 +88,13 @@ def _scaled_mm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
     api = api or _Backend.api
     rows = x.shape[0]
     pad = -rows % 4
-    quantized, scale = quantize_activations(F.pad(x, (0, 0, 0, pad)) if pad else x)
-    scale_a = scale.t().contiguous().t()
+    if _Backend.triton_quant:  # one launch (fp8_quant_triton), bit for bit the torch ops
+        from megarl.rollout.local.fp8_quant_triton import quantize_activations_triton
+
+        quantized, scale_a = quantize_activations_triton(x, 4, scales_outer_major=True)
+    else:
+        quantized, scale = quantize_activations(F.pad(x, (0, 0, 0, pad)) if pad else x)
+        scale_a = scale.t().contiguous().t()
     if api == "scaled_mm":
         from torch.nn.functional import ScalingType
 
@@ -102,6 +114,29 @@ class _Backend:
     scaled_mm: bool | None = None
     api = ""
     reason = "not used yet"
+    triton_quant = False
+    """Whether the activations are quantized by :mod:`.fp8_quant_triton` (one launch) rather
+    than by torch ops: where Triton runs and gives the same bits (:func:`_probe`)."""
+
+
+def _probe_triton_quant(device: torch.device) -> bool:
+    """Whether the one-launch activation quantization runs on ``device`` and equals
+    :func:`quantize_activations` bit for bit (rows padded to 4, scales outer-dim-major)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    x = torch.randn(6, 384, generator=torch.Generator().manual_seed(1)).to(device, torch.bfloat16)
+    x[1, 128:256] = 0  # an all-zero group: scale 1
+    try:
+        from megarl.rollout.local.fp8_quant_triton import quantize_activations_triton
+
+        got, scales = quantize_activations_triton(x, 4, scales_outer_major=True)
+    except Exception as err:  # noqa: BLE001 (any failure of a kernel build or launch)
+        logger.warning("FP8 activation quantization in Triton failed (%s); torch ops instead",
+                       str(err).splitlines()[0])
+        return False
+    want, want_scales = quantize_activations(F.pad(x, (0, 0, 0, 2)))
+    return (torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+            and torch.equal(scales, want_scales) and scales.stride() == (1, 8))
 
 
 def _fits(k: int) -> bool:
@@ -116,6 +151,7 @@ def _probe(device: torch.device) -> None:
     else ``torch._scaled_mm`` on one that needs none. The first that runs and agrees is used;
     where none does, every later matmul takes the reference path, and :func:`gemm_backend`
     says why."""
+    _Backend.triton_quant = _probe_triton_quant(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
     failures = []
     apis = (["scaled_mm"] if hasattr(F, "scaled_mm") else []) + ["_scaled_mm"]
@@ -147,10 +183,38 @@ def gemm_backend(device: torch.device | str = "cuda") -> str:
     return _Backend.reason if torch.device(device).type == "cuda" else "reference (CPU)"
 
 
+_W8A16 = threading.local()
+
+
+@contextmanager
+def unquantized_activations() -> Iterator[None]:
+    """Within the block (in this thread), FP8 layers multiply the activations as they are by
+    the dequantized weights (w8a16) instead of w8a8. The native decoder checks its fast decode
+    kernels against its reference path so: w8a8 rounds every activation to one of e4m3's eight
+    steps per octave, which turns the two paths' bf16 rounding differences into whole steps at
+    random places; over a deep model the logits then differ by more than the check's bound
+    whatever the kernels do (on the H100 the e2e dense FP8 engine lost FlashAttention and its
+    fused kernels that way, and decoded at 0.13x bf16). The FP8 GEMMs have their own checks
+    (:func:`_probe`, :func:`_probe_experts`)."""
+    previous = getattr(_W8A16, "on", False)
+    _W8A16.on = True
+    try:
+        yield
+    finally:
+        _W8A16.on = previous
+
+
+def _unquantized() -> bool:
+    return getattr(_W8A16, "on", False)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a block-FP8 weight (see the module doc for which GEMM runs)."""
+    """``F.linear`` for a block-FP8 weight (see the module doc for which GEMM runs; w8a16
+    inside :func:`unquantized_activations`)."""
     n, k = weight.shape
+    if _unquantized():
+        return F.linear(x, dequantize_blockwise(weight, scale_inv, x.dtype), bias)
     if x.is_cuda and n % GROUP == 0 and k % GROUP == 0:
         if _Backend.scaled_mm is None:
             with _Backend.lock:
@@ -293,8 +357,9 @@ class Fp8Experts(nn.Module):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         """As transformers' expert block: each chosen expert on its rows, weighted, summed. On
         CUDA with Triton, grouped GEMMs that a CUDA graph captures (:mod:`.fp8_moe_triton`);
-        elsewhere :meth:`reference`."""
-        if hidden_states.is_cuda and fused_experts_available(hidden_states.device):
+        elsewhere, and w8a16 inside :func:`unquantized_activations`, :meth:`reference`."""
+        if hidden_states.is_cuda and not _unquantized() and \
+                fused_experts_available(hidden_states.device):
             return self.fused(hidden_states, top_k_index, top_k_weights)
         return self.reference(hidden_states, top_k_index, top_k_weights)
 

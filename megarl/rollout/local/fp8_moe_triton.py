@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from megarl.rollout.local.fp8_quant_triton import quantize_activations_triton
 from megarl.weights.fp8 import GROUP, quantize_activations
 
 BLOCK_M = 16
@@ -97,7 +98,9 @@ def _gemm(acts: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, out
           split: int) -> None:
     """``out[r] = acts[r // row_div] @ weight[expert of r].T`` in block FP8 (``split``: the
     first output row of a second weight on its own block grid; the output width if none)."""
-    quantized, scales = quantize_activations(acts)
+    # Triton's interpreter rounds some values to e4m3 wrongly (31.6 to 16): torch ops on CPU
+    quantized, scales = (quantize_activations_triton(acts) if acts.is_cuda
+                         else quantize_activations(acts))
     row_ids, block_expert, total = sorted_rows
     n, k = weight.shape[1:]
     block_n = LAUNCH["BLOCK_N"]

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megarl.kernels import triton_kernels
+from megarl.rollout.local.fp8_layers import unquantized_activations
 from megarl.rollout.local.fused_projections import FusedLayer
 from megarl.rollout.local.kv_cache import StaticKVCache, row_bucket
 from megarl.rollout.local.sampling import FusedSampling
@@ -478,14 +479,16 @@ class NativeDecoder:
         greedy = (torch.zeros(len(ids), device=self.device),
                   torch.zeros(len(ids), dtype=torch.long, device=self.device))
         try:
-            fast, _, picks = self._step(ids.to(self.device), positions, span,
-                                        greedy if self.fused_sampling else None)
+            with unquantized_activations():  # FP8 layers w8a16 in both paths (its doc: why)
+                fast, _, picks = self._step(ids.to(self.device), positions, span,
+                                            greedy if self.fused_sampling else None)
         except (RuntimeError, TypeError) as err:
             logger.warning("fast decode kernels failed (%s); using the reference path", err)
             self.flash = self.fast_kernels = self.fused_sampling = False
             return
         flash, self.flash, self.fast_kernels = self.flash, False, False
-        ref, _, _ = self._step(ids.to(self.device), positions, span)
+        with unquantized_activations():
+            ref, _, _ = self._step(ids.to(self.device), positions, span)
         error = float((fast - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
         ok = error < 0.05
         self.flash, self.fast_kernels = flash and ok, ok
