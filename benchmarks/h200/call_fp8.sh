@@ -8,7 +8,7 @@
 # Each generation's seconds go to $OUT/fp8_decode_<prompts>.log as they happen.
 source benchmarks/h200/setup.sh
 if [ "${FP8_TESTS:-1}" = 1 ]; then
-  timeout 150 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_fp8_gpu.py \
+  timeout 150 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_fp8_gpu.py tests/gpu/test_fp8_moe_gpu.py \
     > $OUT/fp8_gpu_tests.log 2>&1
   echo "fp8 gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|assert" \
     $OUT/fp8_gpu_tests.log | tail -12
