@@ -13,8 +13,8 @@ if [ "${FP8_TESTS:-1}" = 1 ]; then
   echo "fp8 gpu tests rc=$?"; grep -E "PASSED|FAILED|ERROR|passed|failed|assert" \
     $OUT/fp8_gpu_tests.log | tail -12
 fi
-if [ "${FP8_MICRO:-0}" = 1 ]; then  # per-projection us, bf16 vs FP8, in CUDA graphs
-  timeout 150 python3 benchmarks/h200/fp8_gemm_micro.py --moe --out $OUT/fp8_gemm_micro.json \
+if [ "${FP8_MICRO:-0}" != 0 ]; then  # per-projection us, bf16 vs FP8 (FP8_MICRO=moe: + experts)
+  timeout 150 python3 benchmarks/h200/fp8_gemm_micro.py $([ "$FP8_MICRO" = moe ] && echo --moe) --out $OUT/fp8_gemm_micro.json \
     > $OUT/fp8_gemm_micro.log 2>&1
   echo "fp8 gemm micro rc=$?"; tail -22 $OUT/fp8_gemm_micro.log
 fi
