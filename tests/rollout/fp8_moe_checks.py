@@ -110,7 +110,7 @@ def check_fused_matches_reference(device: str, dtype: torch.dtype = torch.float3
 
 def check_quantize_activations(device: str, exact: bool) -> None:
     """The one-launch activation quantization (``fp8_quant_triton``) against the torch ops of
-    ``quantize_activations``, bit for bit, in fp32 and bf16: rows padded (zeros, scale 1), a
+    ``quantize_activations`` on the same device, bit for bit, in fp32 and bf16: rows padded (zeros, scale 1), a
     partial last group, an all-zero group, scales row-major or outer-dim-major. ``exact``: the
     inputs are e4m3 values times a power of two per group (the interpreter's e4m3 rounding is
     wrong at exponent carries, so on CPU only the indexing and layout are checked); else
