@@ -2,7 +2,9 @@
 the engine's FP8 linear (:func:`megarl.rollout.local.fp8_layers.fp8_linear`: activation
 quantization + block-scaled GEMM) and the activation quantization alone, each replayed in a CUDA
 graph (as the engine's decode runs them). Tells a slow block-scaled GEMM from graphs that did
-not capture when FP8 decode lags bf16 (issue 31). ``--moe`` also times one expert layer of the
+not capture when FP8 decode lags bf16 (issue 31). Each projection is also timed through the
+one-launch Triton w8a8 linear (:func:`megarl.rollout.local.fp8_quant_triton.fp8_linear_triton`,
+not used by the engine yet) under each of ``LINEAR_LAUNCHES``. ``--moe`` also times one expert layer of the
 e2e MoE slice (128 experts, hidden 2048, width 768, top-8): the FP8 grouped GEMMs
 (:mod:`megarl.rollout.local.fp8_moe_triton`) under each launch setting of ``MOE_LAUNCHES``
 against the bf16 all-experts GEMMs the native decoder runs at few rows. Writes JSON to ``--out``.
@@ -20,7 +22,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from megarl.rollout.local import fp8_moe_triton
+from megarl.rollout.local import fp8_moe_triton, fp8_quant_triton
 from megarl.rollout.local.fp8_layers import Fp8Experts, fp8_linear, gemm_backend
 from megarl.weights.fp8 import quantize_activations, quantize_blockwise
 
@@ -28,6 +30,8 @@ from megarl.weights.fp8 import quantize_activations, quantize_blockwise
 SHAPES = [("dense.qkv_q", 2048, 2048), ("dense.k", 1024, 2048), ("dense.o", 2048, 2048),
           ("dense.gate", 6144, 2048), ("dense.down", 2048, 6144),
           ("moe.q", 4096, 2048), ("moe.o", 2048, 4096)]
+LINEAR_LAUNCHES = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": st}
+                   for bm in (16, 64) for bn in (64, 128) for st in (3, 4)]
 MOE = {"experts": 128, "hidden": 2048, "width": 768, "top_k": 8}
 MOE_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
@@ -66,6 +70,22 @@ def eager_us(fn, repeats: int = 50) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1000 / repeats
+
+
+def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> list[dict]:
+    """:func:`fp8_quant_triton.fp8_linear_triton` (activations quantized inside the GEMM, one
+    launch) under each launch setting, replayed in a CUDA graph."""
+    default = dict(fp8_quant_triton.LINEAR_LAUNCH)
+    out = []
+    for launch in LINEAR_LAUNCHES:
+        fp8_quant_triton.LINEAR_LAUNCH.update(launch)
+        try:
+            us = graph_us(partial(fp8_quant_triton.fp8_linear_triton, x, weight, scale))
+        except Exception as err:  # noqa: BLE001 - a setting that does not compile
+            us = f"failed: {str(err).splitlines()[0][:120]}"
+        out.append({**launch, "graph_us": us})
+    fp8_quant_triton.LINEAR_LAUNCH.update(default)
+    return out
 
 
 def moe_rows(rows: list[int]) -> list[dict]:
@@ -133,7 +153,11 @@ def main() -> None:
                 row[f"{label}_graph_us"] = graph_us(fn)
                 row[f"{label}_eager_us"] = eager_us(fn)
             row["fp8_vs_bf16_graph"] = row["bf16_graph_us"] / row["fp8_graph_us"]
-            print(json.dumps(row), flush=True)
+            row["fp8_triton"] = triton_linear(x, qweight, scale)
+            best = min((r for r in row["fp8_triton"] if isinstance(r["graph_us"], float)),
+                       key=lambda r: r["graph_us"], default=None)
+            row["fp8_triton_best"] = best
+            print(json.dumps({k: v for k, v in row.items() if k != "fp8_triton"}), flush=True)
             rows_out.append(row)
     result = {"gemm_backend": gemm_backend("cuda"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(), "rows": rows_out,

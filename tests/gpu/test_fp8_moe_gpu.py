@@ -55,6 +55,10 @@ def test_the_activation_quantization_kernel_rounds_as_torch_does():
     assert fp8_layers._probe_triton_quant(torch.device("cuda"))
 
 
+def test_the_one_launch_w8a8_linear_is_the_reference_product():
+    checks.check_linear_triton("cuda", exact=False)
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3"])
 def test_the_native_decoder_runs_fp8_in_its_graphs(tmp_path, arch):
     """A Qwen3-MoE (and a dense Qwen3) engine in FP8 decodes on the native path, every decode

@@ -144,6 +144,41 @@ def check_quantize_activations(device: str, exact: bool) -> None:
             assert float(scales[2, 1]) == 1.0 and not got[rows:].float().any()
 
 
+def check_linear_triton(device: str, exact: bool) -> float:
+    """The one-launch w8a8 linear (``fp8_quant_triton.fp8_linear_triton``: the activations
+    quantized inside the GEMM) against ``fp8_matmul_reference`` (quantize, dequantize, fp32
+    matmul), on N and K that are not multiples of the tiles; ``exact`` as in
+    :func:`check_quantize_activations`. Returns the largest relative error (norm)."""
+    from megarl.rollout.local.fp8_layers import fp8_matmul_reference
+    from megarl.rollout.local.fp8_quant_triton import fp8_linear_triton
+    from megarl.weights.fp8 import FP8_MAX, quantize_blockwise
+
+    g = torch.Generator().manual_seed(6)
+    weight, scale = quantize_blockwise(torch.randn(200, 300, generator=g) * 0.05)
+    weight, scale = weight.to(device), scale.to(device)
+    rows = 37
+    if exact:
+        codes = torch.randint(0, 256, (rows, 300), generator=g, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0
+        x = codes.view(torch.float8_e4m3fn).float()
+        x[:, ::128] = FP8_MAX
+        x = x * 2.0 ** torch.randint(-8, 8, (rows, 1), generator=g).float()
+    else:
+        x = torch.randn(rows, 300, generator=g)
+    worst = 0.0
+    # fp32 sums in another order; on a GPU both sum FP8 products in the tensor cores'
+    # precision (as for the grouped GEMMs); bf16 output rounding on top
+    for dtype, bound in ((torch.float32, 1e-5 if exact else 2e-2), (torch.bfloat16, 2e-2)):
+        inputs = x.to(device, dtype)
+        got = fp8_linear_triton(inputs, weight, scale)
+        want = fp8_matmul_reference(inputs, weight, scale)
+        assert got.shape == (rows, 200) and got.dtype == dtype
+        error = float((got.float() - want.float()).norm() / want.float().norm())
+        assert error < bound, (dtype, error)
+        worst = max(worst, error)
+    return worst
+
+
 def native_and_hf_runners(tmp_path, device: str, dtype: str, decode_steps: int,
                           arch: str = "qwen3_moe"):
     """An FP8 Qwen3-MoE (or dense Qwen3: ``arch``) on the native decoder and on the HF path,

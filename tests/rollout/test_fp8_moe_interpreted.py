@@ -46,6 +46,7 @@ def probe(patch):
 
 part("sort", lambda: c.check_sort_by_expert("cpu"))
 part("quantize", lambda: c.check_quantize_activations("cpu", exact=True))
+part("linear", lambda: c.check_linear_triton("cpu", exact=True))
 part("float32", lambda: c.check_fused_matches_reference("cpu", torch.float32))
 part("bfloat16", lambda: c.check_fused_matches_reference("cpu", torch.bfloat16))
 for patch in ("none", "failing", "wrong"):
@@ -82,6 +83,10 @@ def test_sort_by_expert_groups_every_pair_once(report):
 
 def test_the_activation_quantization_kernel_is_the_torch_ops(report):
     result(report, "quantize")
+
+
+def test_the_one_launch_w8a8_linear_is_the_reference_product(report):
+    print("largest error:", result(report, "linear"))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

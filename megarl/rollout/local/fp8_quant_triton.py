@@ -73,3 +73,59 @@ def quantize_activations_triton(x: torch.Tensor, row_multiple: int = 1,
             x, quantized, scales, rows, k, x.stride(0), quantized.stride(0), scales.stride(0),
             scales.stride(1), GROUP=GROUP, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX)
     return quantized, scales
+
+
+LINEAR_LAUNCH = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+"""Tiles and launch settings of :func:`fp8_linear_triton` (``benchmarks/h200/fp8_gemm_micro.py``
+times the alternatives)."""
+
+
+@triton.jit(do_not_specialize=["m"])
+def _w8a8_linear(a_ptr, b_ptr, b_scale_ptr, c_ptr, m, n, k, stride_am, stride_bn, stride_bsn,
+                 stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                 FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr):
+    """``c = a @ b.T`` for a block-FP8 ``b [N, K]``, w8a8: each 1x128 group of ``a``'s rows is
+    quantized here (as :func:`_quantize_groups` does) before its FP8 product."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_ok = rows < m
+    cols_ok = cols < n
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(tl.cdiv(k, GROUP)):
+        ks = kb * GROUP + tl.arange(0, GROUP)
+        ks_ok = ks < k
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
+                    mask=rows_ok[:, None] & ks_ok[None, :], other=0.0).to(tl.float32)
+        amax = tl.max(tl.abs(a), axis=1)
+        a_scale = tl.where(amax > 0, amax * INV_FP8_MAX, 1.0)
+        quantized = tl.clamp(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX, FP8_MAX)
+        b = tl.load(b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None],
+                    mask=cols_ok[None, :] & ks_ok[:, None], other=0.0)
+        b_scale = tl.load(b_scale_ptr + (cols // GROUP) * stride_bsn + kb, mask=cols_ok,
+                          other=0.0)
+        acc += tl.dot(quantized.to(b.dtype), b, out_dtype=tl.float32) * a_scale[:, None] \
+            * b_scale[None, :]
+    tl.store(c_ptr + rows[:, None].to(tl.int64) * stride_cm + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=rows_ok[:, None] & cols_ok[None, :])
+
+
+def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor
+                      ) -> torch.Tensor:
+    """``x [M, K] @ weight.T`` for a block-FP8 ``weight [N, K]`` with ``scale_inv [N/128,
+    K/128]``, w8a8 in one launch: the activations are quantized inside the GEMM, per 1x128
+    group as :func:`quantize_activations_triton` does, so no quantized copy of them is written.
+    Not used by the engine yet: it is timed against cuBLAS's block-scaled GEMM first
+    (``benchmarks/h200/fp8_gemm_micro.py``)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    launch = LINEAR_LAUNCH
+    grid = (triton.cdiv(m, launch["BLOCK_M"]), triton.cdiv(n, launch["BLOCK_N"]))
+    _w8a8_linear[grid](x, weight, scale_inv, out, m, n, k, x.stride(0), weight.stride(0),
+                       scale_inv.stride(0), out.stride(0), BLOCK_M=launch["BLOCK_M"],
+                       BLOCK_N=launch["BLOCK_N"], GROUP=GROUP, FP8_MAX=FP8_MAX,
+                       INV_FP8_MAX=INV_FP8_MAX, num_warps=launch["num_warps"],
+                       num_stages=launch["num_stages"])
+    return out
