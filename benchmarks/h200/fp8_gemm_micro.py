@@ -37,6 +37,18 @@ MOE_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
 
 
+def _mean_us(run, repeats: int) -> float:
+    """Mean microseconds of ``run()`` over ``repeats`` calls, by CUDA events."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / repeats
+
+
 def graph_us(fn, repeats: int = 200) -> float:
     """Mean microseconds of one replay of ``fn`` captured in a CUDA graph."""
     stream = torch.cuda.Stream()
@@ -49,43 +61,30 @@ def graph_us(fn, repeats: int = 200) -> float:
     with torch.cuda.graph(graph):
         fn()
     graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / repeats
+    return _mean_us(graph.replay, repeats)
 
 
 def eager_us(fn, repeats: int = 50) -> float:
     for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / repeats
+    return _mean_us(fn, repeats)
 
 
-def triton_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> list[dict]:
-    """:func:`fp8_quant_triton.fp8_linear_triton` (activations quantized inside the GEMM, one
-    launch) under each launch setting, replayed in a CUDA graph."""
-    default = dict(fp8_quant_triton.LINEAR_LAUNCH)
+def sweep(settings: dict, launches: list[dict], fn) -> tuple[list[dict], dict | None]:
+    """``fn`` replayed in a CUDA graph under each launch setting written into ``settings`` (a
+    kernel module's launch dict, restored after): (a row per setting, the fastest one)."""
+    default = dict(settings)
     out = []
-    for launch in LINEAR_LAUNCHES:
-        fp8_quant_triton.LINEAR_LAUNCH.update(launch)
+    for launch in launches:
+        settings.update(launch)
         try:
-            us = graph_us(partial(fp8_quant_triton.fp8_linear_triton, x, weight, scale))
+            us = graph_us(fn)
         except Exception as err:  # noqa: BLE001 - a setting that does not compile
             us = f"failed: {str(err).splitlines()[0][:120]}"
         out.append({**launch, "graph_us": us})
-    fp8_quant_triton.LINEAR_LAUNCH.update(default)
-    return out
+    settings.update(default)
+    timed = [r for r in out if isinstance(r["graph_us"], float)]
+    return out, min(timed, key=lambda r: r["graph_us"], default=None)
 
 
 def moe_rows(rows: list[int]) -> list[dict]:
@@ -114,18 +113,9 @@ def moe_rows(rows: list[int]) -> list[dict]:
             return torch.bmm(act, down_bf16.transpose(1, 2))
 
         row = {"shape": "moe.experts", "m": m, "bf16_all_experts_graph_us":
-               graph_us(bf16_all_experts), "fp8_grouped": []}
-        for launch in MOE_LAUNCHES:
-            fp8_moe_triton.LAUNCH.update(launch)
-            try:
-                us = graph_us(partial(fp8.fused, x, index, weights))
-            except Exception as err:  # noqa: BLE001 - a setting that does not compile
-                us = f"failed: {str(err).splitlines()[0][:120]}"
-            row["fp8_grouped"].append({**launch, "graph_us": us})
-        fp8_moe_triton.LAUNCH.update(default)
-        timed = [r for r in row["fp8_grouped"] if isinstance(r["graph_us"], float)]
-        best = min(timed, key=lambda r: r["graph_us"]) if timed else None
-        row["fp8_best"] = best
+               graph_us(bf16_all_experts)}
+        row["fp8_grouped"], row["fp8_best"] = sweep(
+            fp8_moe_triton.LAUNCH, MOE_LAUNCHES, partial(fp8.fused, x, index, weights))
         row["fp8_default_graph_us"] = next(
             (r["graph_us"] for r in row["fp8_grouped"]
              if all(r[k] == v for k, v in default.items())), None)
@@ -153,10 +143,9 @@ def main() -> None:
                 row[f"{label}_graph_us"] = graph_us(fn)
                 row[f"{label}_eager_us"] = eager_us(fn)
             row["fp8_vs_bf16_graph"] = row["bf16_graph_us"] / row["fp8_graph_us"]
-            row["fp8_triton"] = triton_linear(x, qweight, scale)
-            best = min((r for r in row["fp8_triton"] if isinstance(r["graph_us"], float)),
-                       key=lambda r: r["graph_us"], default=None)
-            row["fp8_triton_best"] = best
+            row["fp8_triton"], row["fp8_triton_best"] = sweep(
+                fp8_quant_triton.LINEAR_LAUNCH, LINEAR_LAUNCHES,
+                partial(fp8_quant_triton.fp8_linear_triton, x, qweight, scale))
             print(json.dumps({k: v for k, v in row.items() if k != "fp8_triton"}), flush=True)
             rows_out.append(row)
     result = {"gemm_backend": gemm_backend("cuda"), "torch": torch.__version__,
