@@ -9,7 +9,10 @@ A quantized linear weight ``W`` [out, in] is stored as two tensors:
 
 A block's scale is ``amax / 448`` (448 = the largest e4m3 value), so its largest element maps
 onto +-448 exactly; an all-zero block gets scale 1 (any scale reproduces zeros, and 0 would
-divide 0 by 0). The config.json of such a checkpoint carries :data:`QUANTIZATION_CONFIG`.
+divide 0 by 0). The division is IEEE's on every device: torch divides a CUDA tensor by a Python
+number as a product with the number's fp32 reciprocal, an ulp off the quotient for about half of
+all amaxes (and then a dequantized weight no longer quantizes to the same scale), while a weight
+sync quantizes on the GPU what a reference quantizes on the CPU. The config.json of such a checkpoint carries :data:`QUANTIZATION_CONFIG`.
 docs/fp8.md says which SGLang code reads these names and how it was checked.
 """
 
@@ -85,7 +88,8 @@ def _to_fp8(values: torch.Tensor, dims: Sequence[int]) -> tuple[torch.Tensor, to
     """fp32 ``values`` divided by the scale ``amax / 448`` of each group spanning ``dims`` (kept
     as size 1; an all-zero group gets scale 1) and rounded to e4m3: (fp8 values, scales)."""
     amax = values.abs().amax(dim=tuple(dims), keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # a tensor divisor: torch on CUDA turns a division by a number into a reciprocal product
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     # |values / scale| <= 448 up to fp32 rounding; the clamp keeps a rounding above 448 from
     # turning into NaN (e4m3fn has no infinity)
     return (values / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale

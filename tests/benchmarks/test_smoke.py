@@ -85,3 +85,24 @@ def test_export_benchmark_reports_all_three_paths(tmp_path):
     result = json.loads(out.read_text())
     assert result["hf_tensors"] > 20 and result["bytes"] > 0
     assert all(result[f"{k}_ms"] > 0 for k in ("direct", "mbridge", "copy"))
+
+
+def test_demo_summary_judges_learning_and_reports_the_mismatch(tmp_path):
+    """``demo_summary.py`` on a metrics.jsonl written by hand: the first and last 20% of 10 steps
+    are steps 1-2 and 9-10, the mismatch mean and worst are over the steps that logged it."""
+    run = tmp_path / "fp8"
+    run.mkdir()
+    rows = [{"step": i, "critic/score/mean": 0.1 * i, "timing/gen": 1.0 + i,
+             "training/rollout_probs_diff_mean": 0.01 * (i % 3),
+             "rollout_corr/rollout_is_min": 1.0 - 0.05 * i} for i in range(10)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "summary.json"
+    assert load("demo_summary").main([str(run), str(tmp_path / "none"), "--out", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    fp8 = summary["fp8"]
+    assert fp8["reward_first_20pct"] == 0.05 and fp8["reward_last_20pct"] == 0.85
+    assert fp8["learned"] is True and fp8["median_phase_s"]["gen"] == 5.5
+    diff = fp8["mismatch"]["training/rollout_probs_diff_mean"]
+    assert abs(diff["mean"] - 0.009) < 1e-12 and diff["worst"] == 0.02
+    assert fp8["mismatch"]["rollout_corr/rollout_is_min"]["worst"] == 0.55
+    assert "missing" in summary["none"]

@@ -54,3 +54,21 @@ def test_an_fp8_engine_generates_on_the_gpu(tmp_path: Path):
         assert info["internal_states"][0]["fp8_gemm"].startswith("torch."), info
         if arch == "qwen3_moe":
             assert info["internal_states"][0]["fp8_experts"].startswith("Triton"), info
+
+
+def test_quantization_gives_the_same_bits_on_the_gpu_as_on_the_cpu():
+    """A weight sync quantizes on the GPU what a reference quantizes on the CPU. torch divides
+    a CUDA tensor by a number through its reciprocal (an ulp off the quotient for about half of
+    all amaxes), so ``megarl.weights.fp8`` divides by a tensor: here 2,048 blocks and 65,536
+    activation groups whose amaxes spread over every mantissa give the same bytes on both."""
+    from megarl.weights.fp8 import quantize_activations
+
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(4096, 8192, generator=g)
+    block_size = torch.rand(32, 1, 64, 1, generator=g) + 0.5  # each block's amax on its own
+    weight *= block_size.expand(32, 128, 64, 128).reshape(4096, 8192)  # mantissa
+    acts = torch.randn(1024, 8192, generator=g).bfloat16()
+    for quantize, x in ((quantize_blockwise, weight), (quantize_activations, acts)):
+        (q_cpu, s_cpu), (q_gpu, s_gpu) = quantize(x), quantize(x.cuda())
+        assert torch.equal(q_cpu.view(torch.uint8), q_gpu.cpu().view(torch.uint8)), quantize
+        assert torch.equal(s_cpu, s_gpu.cpu()), quantize

@@ -5,7 +5,9 @@ GPU demo's config on a small random Qwen3-MoE in bf16. After every weight sync e
 engine holds equals the actor's export bit for bit; the engine's log-probs stay close to the
 trainer's; the engine gave its memory back while the actor trained. With R3 the router agreement
 is reported with and without replay, and replay raises it to (almost) 1. With LoRA and the
-adapter sync the engine gets only the adapters and scores as the trainer does.
+adapter sync the engine gets only the adapters and scores as the trainer does. With
+``rollout.quantization=fp8`` the engine holds, after every sync, exactly the blockwise FP8
+quantization of the actor's export (quantized on the GPU, the reference on the CPU).
 """
 
 from __future__ import annotations
@@ -139,3 +141,41 @@ def test_lora_adapter_sync_on_one_gpu(assets, tmp_path):
     assert history[2]["actor/pg_loss"] != history[1]["actor/pg_loss"]
     print({k: round(v, 5) for k, v in history[-1].items()
            if k.startswith(("timing/", "perf/", "training/", "checkpoint_engine/"))})
+
+
+def test_fp8_rollout_on_one_gpu_holds_the_quantized_actor_exactly(assets, tmp_path):
+    """``rollout.quantization=fp8``, colocated, weights over CUDA IPC: the sender quantizes each
+    bucket on the GPU; after every sync each FP8 weight and ``weight_scale_inv`` on the engine
+    equals ``quantize_blockwise`` of the actor's bf16 export done on the CPU, bit for bit, and
+    every other tensor the export; the engine's FP8 log-probs stay under the health monitor's
+    FP8 alarm and token-level TIS is on."""
+    from megarl.metrics.health import FP8_ROLLOUT_THRESHOLDS
+    from megarl.weights.fp8 import is_quantized_weight, quantize_blockwise, scale_name
+
+    trainer = make_trainer(assets, tmp_path / "fp8", "trainer.total_steps=3",
+                           "rollout.quantization=fp8")
+    history = []
+    try:
+        trainer.setup()
+        assert trainer.cfg.algorithm.rollout_correction.rollout_is == "token"
+        for step in range(1, 4):
+            history.append(trainer.step(trainer.loader.next_batch()))
+            expected = {}
+            for name, tensor in trainer.workers.actor.execute_all("hf_state_dict")[0].items():
+                if is_quantized_weight(name, tensor):
+                    weight, scale = quantize_blockwise(tensor.cpu())
+                    expected[name], expected[scale_name(name)] = weight.float(), scale
+                else:
+                    expected[name] = tensor.cpu().float()
+            assert sum(n.endswith("_scale_inv") for n in expected) >= 4 * 4
+            held = engine_state(trainer, list(expected))
+            for name, tensor in expected.items():
+                assert torch.equal(held[name].reshape(-1), tensor.reshape(-1)), name
+    finally:
+        trainer.close()
+    for metrics in history:
+        assert 0 < metrics["training/rollout_probs_diff_mean"] < \
+            FP8_ROLLOUT_THRESHOLDS["rollout_probs_diff_max"], metrics
+        assert metrics["rollout_corr/rollout_is_std"] > 0
+    print({k: round(v, 5) for k, v in history[-1].items()
+           if k.startswith(("training/", "rollout_corr/", "checkpoint_engine/"))})

@@ -7,11 +7,10 @@ GEMM: on the H100, 19 us of a 31 us FP8 projection at 64 rows, where the bf16 on
 (``benchmarks/h200/fp8_gemm_micro.py``). :func:`quantize_activations_triton` does it in one
 launch, as SGLang's ``per_token_group_quant_fp8`` does: one program per (row, group of 128)
 writes the group's e4m3 values and its fp32 scale ``amax / 448`` (1 for an all-zero group),
-with the output rows padded and the scales in whichever layout the GEMM reads. On CUDA that is
-bit for bit what the torch ops give there: torch divides a CUDA tensor by a Python number as a
-product with the number's fp32 reciprocal (checked on the H200: ``a / 448.0`` equals
-``a * fp32(1/448)`` and differs from the IEEE quotient by an ulp here and there, which the CPU
-computes), so the kernel does the same for the scale, and an IEEE division of the values by it.
+with the output rows padded and the scales in whichever layout the GEMM reads. It is bit for bit
+what the torch ops give on any device: the scale and the values are IEEE quotients
+(``div_rn``; Triton's ``/`` is an approximate division), as :mod:`megarl.weights.fp8` computes
+them on the CPU and on CUDA alike.
 
 With ``TRITON_INTERPRET=1`` the kernel also takes CPU tensors; Triton 3.8's interpreter rounds
 some values to e4m3 wrongly where the rounding carries into the exponent (31.6 to 16, not 32),
@@ -26,14 +25,11 @@ import triton.language as tl
 
 from megarl.weights.fp8 import FP8_DTYPE, FP8_MAX, GROUP
 
-INV_FP8_MAX = float(torch.tensor(1 / FP8_MAX, dtype=torch.float32))
-"""1/448 rounded to fp32: the factor torch's CUDA division by 448 multiplies by."""
-
 
 # ``rows`` changes with the batch: one compiled kernel for every batch size
 @triton.jit(do_not_specialize=["rows"])
 def _quantize_groups(x_ptr, q_ptr, s_ptr, rows, k, stride_xm, stride_qm, stride_sm, stride_sg,
-                     GROUP: tl.constexpr, FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr):
+                     GROUP: tl.constexpr, FP8_MAX: tl.constexpr):
     """Row ``program_id(0)``'s group ``program_id(1)``: e4m3 values and fp32 scale; rows past
     ``rows`` (the padding) get zeros and scale 1."""
     row = tl.program_id(0)
@@ -43,7 +39,8 @@ def _quantize_groups(x_ptr, q_ptr, s_ptr, rows, k, stride_xm, stride_qm, stride_
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + cols, mask=in_k & (row < rows),
                 other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), axis=0)
-    scale = tl.where(amax > 0, amax * INV_FP8_MAX, 1.0)  # torch on CUDA: x / c is x * (1/c)
+    scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)),
+                     1.0)
     q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row.to(tl.int64) * stride_qm + cols, q.to(q_ptr.dtype.element_ty),
              mask=in_k)
@@ -71,7 +68,7 @@ def quantize_activations_triton(x: torch.Tensor, row_multiple: int = 1,
     if padded and groups:
         _quantize_groups[(padded, groups)](
             x, quantized, scales, rows, k, x.stride(0), quantized.stride(0), scales.stride(0),
-            scales.stride(1), GROUP=GROUP, FP8_MAX=FP8_MAX, INV_FP8_MAX=INV_FP8_MAX)
+            scales.stride(1), GROUP=GROUP, FP8_MAX=FP8_MAX)
     return quantized, scales
 
 
@@ -83,7 +80,7 @@ times the alternatives)."""
 @triton.jit(do_not_specialize=["m"])
 def _w8a8_linear(a_ptr, b_ptr, b_scale_ptr, c_ptr, m, n, k, stride_am, stride_bn, stride_bsn,
                  stride_cm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
-                 FP8_MAX: tl.constexpr, INV_FP8_MAX: tl.constexpr):
+                 FP8_MAX: tl.constexpr):
     """``c = a @ b.T`` for a block-FP8 ``b [N, K]``, w8a8: each 1x128 group of ``a``'s rows is
     quantized here (as :func:`_quantize_groups` does) before its FP8 product."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -97,7 +94,8 @@ def _w8a8_linear(a_ptr, b_ptr, b_scale_ptr, c_ptr, m, n, k, stride_am, stride_bn
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + ks[None, :],
                     mask=rows_ok[:, None] & ks_ok[None, :], other=0.0).to(tl.float32)
         amax = tl.max(tl.abs(a), axis=1)
-        a_scale = tl.where(amax > 0, amax * INV_FP8_MAX, 1.0)
+        a_scale = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX,
+                                                                   tl.float32)), 1.0)
         quantized = tl.clamp(tl.math.div_rn(a, a_scale[:, None]), -FP8_MAX, FP8_MAX)
         b = tl.load(b_ptr + cols[None, :].to(tl.int64) * stride_bn + ks[:, None],
                     mask=cols_ok[None, :] & ks_ok[:, None], other=0.0)
@@ -126,6 +124,6 @@ def fp8_linear_triton(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Te
     _w8a8_linear[grid](x, weight, scale_inv, out, m, n, k, x.stride(0), weight.stride(0),
                        scale_inv.stride(0), out.stride(0), BLOCK_M=launch["BLOCK_M"],
                        BLOCK_N=launch["BLOCK_N"], GROUP=GROUP, FP8_MAX=FP8_MAX,
-                       INV_FP8_MAX=INV_FP8_MAX, num_warps=launch["num_warps"],
+                       num_warps=launch["num_warps"],
                        num_stages=launch["num_stages"])
     return out
