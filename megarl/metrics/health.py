@@ -52,8 +52,9 @@ class HealthThresholds:
 
 
 FP8_ROLLOUT_THRESHOLDS = {"rollout_probs_diff_max": 0.03, "rollout_precision": "fp8 rollout"}
-"""The mismatch alarm with FP8 generation (``rollout.quantization: fp8``): 3x the bf16 bound
-(docs/fp8.md has the measurements behind it)."""
+"""The mismatch alarm with FP8 generation (``rollout.quantization: fp8``): 3x the bf16 bound. On
+the GPU demo FP8 widened the gap ~6x over bf16 on the same steps, and its worst step (0.0083)
+stays 3.6x under this (docs/fp8.md has the measurements)."""
 
 
 def thresholds_for(clip_ratio: float, quantization: str | None) -> HealthThresholds:
