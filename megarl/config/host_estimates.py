@@ -16,13 +16,15 @@ memory while the engines generate, and the engines' released weights while the a
   :class:`~megarl.host_arena.HostArena`: full slabs of :data:`~megarl.host_arena.SLAB_BYTES`
   (a power of two, which torch's pinned-memory allocator does not round) and one slab of the
   next power of two of the rest, so a part of B bytes holds less than B + one slab.
-* Released engine weights, per colocated engine GPU: megarl's embedded engine
-  (``rollout.backend=local``) moves its weights to pinned host memory when it releases them,
-  one buffer per tensor, which torch's pinned-memory allocator rounds up to the next power of
-  two (its tensors counted in megatron's layout: HF's split q/k/v and gate/up round alike up to
-  a few MB per layer). SGLang counts 0: megarl starts it without
-  ``--enable-weights-cpu-backup``, so ``release_memory_occupation`` drops the weights (a
-  torch_memory_saver region without CPU backup) and the next weight sync refills them.
+* Released engine weights, per colocated engine GPU, only with the LoRA adapter sync
+  (``actor.lora.sync: adapter``), which never resends the base: its engines start with
+  ``--enable-weights-cpu-backup`` and keep released weights in host memory. megarl's embedded
+  engine pins one buffer per tensor, which torch's pinned-memory allocator rounds up to the
+  next power of two (its tensors counted in megatron's layout: HF's split q/k/v and gate/up
+  round alike up to a few MB per layer); SGLang's torch_memory_saver keeps a plain copy. Every
+  other colocated engine counts 0: without the flag ``release_memory_occupation`` drops the
+  weights (SGLang: a torch_memory_saver region without CPU backup; the embedded engine frees
+  its parameters' storage) and the next weight sync refills them.
 * Checkpoint staging (``trainer.async_save``): each rank's weights and optimizer state, copied
   to host memory while the save is written.
 * Processes: an allowance for each worker process the run starts, for its libraries, CUDA
@@ -271,9 +273,11 @@ def _train_gpu(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes,
         parts.append(HostPart("checkpoint staging", st.weights + st.optimizer))
     engine = est.engine
     if engine is not None and engine.colocated:
-        if cfg.rollout.backend == "local":
-            dense, expert = stage_tensors(model, ParallelConfig(), 0, model.vocab_size)
-            share = round_up(dense + expert, DTYPE_BYTES[cfg.rollout.dtype or cfg.model.dtype])
+        if cfg.actor.lora.rank and cfg.actor.lora.sync == "adapter":  # released weights kept
+            share = 0
+            if cfg.rollout.backend == "local":
+                dense, expert = stage_tensors(model, ParallelConfig(), 0, model.vocab_size)
+                share = round_up(dense + expert, DTYPE_BYTES[cfg.rollout.dtype or cfg.model.dtype])
             parts.append(HostPart("engine weights", engine.weights,
                                   math.ceil(share / engine.gpus_per_engine)))
         processes += ENGINE_PROCESS_BYTES
@@ -353,8 +357,8 @@ def _gpu_room(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, field: str,
 def host_fixes(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, host: HostEstimate,
                node: NodeHost, available: int | None, gpu_free: int | None) -> list[str]:
     """What lowers ``node``'s host memory, each naming its fields: an offload switched off
-    where the GPUs have room (``gpu_free`` bytes; None = unknown), SGLang instead of the
-    embedded engine, the distributed optimizer, fewer train GPUs per node (as many as fit
+    where the GPUs have room (``gpu_free`` bytes; None = unknown), the merged LoRA sync instead
+    of the adapter sync, the distributed optimizer, fewer train GPUs per node (as many as fit
     ``available``). A part that frees less than a quarter of what is missing is not offered."""
     missing = 0 if available is None else node.total - available
     parts = {p.name: p for p in node.parts if p.total * 4 >= missing}
@@ -365,8 +369,8 @@ def host_fixes(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, host: Host
             if room is not None:
                 fixes.append(f"{room}, freeing {size(parts[part].total)} here")
     if "engine weights" in parts:
-        fixes.append("rollout.backend=sglang (it drops released weights instead of keeping them "
-                     f"in host memory), freeing {size(parts['engine weights'].total)}")
+        fixes.append("actor.lora.sync=merged (the engines then drop released weights instead of "
+                     f"keeping them in host memory), freeing {size(parts['engine weights'].total)}")
     if not cfg.actor.use_distributed_optimizer and "actor optimizer" in parts:
         fixes.append("actor.use_distributed_optimizer=true (shards the optimizer state over the "
                      "data-parallel ranks)")

@@ -65,8 +65,8 @@ def local_engine_args(spec: EngineSpec) -> list[str]:
         extra.append("--trust-remote-code")
     if spec.quantization:
         extra += ["--quantization", spec.quantization]
-    if spec.enable_lora:
-        extra.append("--enable-lora")
+    if spec.enable_lora:  # the adapter sync never resends the base: released weights wait
+        extra += ["--enable-lora", "--enable-weights-cpu-backup"]  # in host memory
     return extra
 
 
@@ -99,6 +99,7 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
         enable_lora=spec.enable_lora, max_lora_rank=spec.lora_rank or None,
         lora_target_modules=spec.lora_modules if spec.enable_lora else (),
         mem_fraction_static=spec.mem_fraction, enable_memory_saver=spec.colocated,
+        enable_weights_cpu_backup=spec.colocated and spec.enable_lora,
         enable_return_routed_experts=spec.return_routed_experts,
         enable_deterministic_inference=spec.seed is not None, random_seed=spec.seed,
         dtype=None if spec.dtype == "auto" else spec.dtype,

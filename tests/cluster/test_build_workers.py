@@ -142,9 +142,9 @@ def test_memory_preflight_reads_every_node_and_names_the_gpu(ray_runtime, assets
 def test_host_memory_preflight_refuses_a_node_that_cannot_hold_the_run(ray_runtime, assets,
                                                                        tmp_path):
     """The host check reads every node's available memory in a pinned task and refuses, before
-    any worker starts, a node that cannot hold the offloaded state, the engines' released
-    weights and the processes; the line names the node, both sizes, the parts and the fields.
-    This machine has no GPU: the GPU and host readings are given (the Ray plumbing, the
+    any worker starts, a node that cannot hold the offloaded state and the processes (the
+    colocated engines drop their released weights); the line names the node, both sizes, the
+    parts and the fields. This machine has no GPU: the GPU and host readings are given (the Ray plumbing, the
     estimate and the verdict are real)."""
     from megarl.cluster.preflight import NodeMemoryError
     from megarl.trainer.workers import check_memory_on_nodes
@@ -160,7 +160,7 @@ def test_host_memory_preflight_refuses_a_node_that_cannot_hold_the_run(ray_runti
     node = f"node {socket.gethostname()} ({ray.util.get_node_ip_address()})"
     assert line.startswith(f"preflight: {node} needs ~24.0 GB of host memory, it has 20.0 GB "
                            "available (MemAvailable)"), line
-    for part in ("actor optimizer", "engine weights", "processes 24.0 GB", "for 2 train GPU(s)",
+    for part in ("actor optimizer", "processes 24.0 GB", "for 2 train GPU(s)",
                  "— lower it with resources.train_pool.gpus_per_node=1 (~8.0 GB per train GPU"):
         assert part in line, part  # the tiny model's state frees too little to be offered
     separate = demo_config(assets, tmp_path / "run", "resources.device=cuda")

@@ -55,11 +55,14 @@ def test_pinned_buffers_round_up_to_a_power_of_two():
         0, 1, 4, 4096, 16 * MIB, 32 * MIB]
 
 
-def test_the_moe_e2e_shape_needs_over_90_gb_of_host_memory(moe_shape):
+def test_the_moe_e2e_shape_holds_its_optimizer_and_only_an_adapter_sync_keeps_engine_weights(
+        moe_shape):
     """The H200 run that lost its node in step 3: by hand, the optimizer's fp32 main params and
     two moments (12 B per parameter, one GPU) packed in 1 GiB slabs plus one of the next power of
-    two of the rest, and the engine's bf16 weights, each tensor pinned in a buffer rounded up to
-    a power of two; grads (freed, never copied) add nothing."""
+    two of the rest; grads (freed, never copied) add nothing; the colocated engine drops its
+    released weights (the sync refills them). With the LoRA adapter sync, which never resends
+    the base, the engine keeps them: the embedded engine's bf16 weights, each tensor pinned in
+    a buffer rounded up to a power of two; SGLang's without the round-up."""
     cfg = e2e_config()
     assert cfg.actor.offload.grad_offload and cfg.actor.offload.optimizer_offload
     params = moe_shape.param_count()
@@ -74,23 +77,25 @@ def test_the_moe_e2e_shape_needs_over_90_gb_of_host_memory(moe_shape):
     slabs = -(-optimizer // 2**30)  # the last slab: the next power of two of the rest
     rest = optimizer - (slabs - 1) * 2**30
     last = 1 << (rest - 1).bit_length()
-    engine = 2 * params
     processes = TRAIN_PROCESS_BYTES + ENGINE_PROCESS_BYTES + NODE_BYTES
-    by_hand = (slabs - 1) * 2**30 + last + engine + engine_round_up + processes
+    by_hand = (slabs - 1) * 2**30 + last + processes
     sizes = derive_sizes(cfg, moe_shape)
     est = estimate(cfg, moe_shape, sizes)
     node = host_estimate(cfg, moe_shape, sizes, est).on_node()
     parts = {p.name: p for p in node.parts}
-    assert node.total == by_hand > 90 * GB
+    assert node.total == by_hand > 70 * GB
     assert parts["actor optimizer"].nbytes == est.update.state.optimizer == optimizer
     assert parts["actor optimizer"].round_up == last - rest < 2**30
-    assert parts["engine weights"].nbytes == est.engine.weights == engine
-    assert parts["engine weights"].round_up == engine_round_up > 3 * GB  # 12 MiB -> 16 MiB...
-    assert set(parts) == {"actor optimizer", "engine weights", "processes"}  # no grads
-    # SGLang drops released weights: nothing of the engine's in host memory
-    sglang = e2e_config("rollout.backend=sglang")
-    assert "engine weights" not in {p.name for p in host_estimate(
-        sglang, moe_shape, derive_sizes(sglang, moe_shape)).on_node().parts}
+    assert set(parts) == {"actor optimizer", "processes"}  # no grads, no engine weights
+    for backend, round_up in (("local", engine_round_up), ("sglang", 0)):
+        adapter = e2e_config("actor.lora.rank=32", "actor.lora.sync=adapter",
+                             f"rollout.backend={backend}")
+        est = estimate(adapter, moe_shape, derive_sizes(adapter, moe_shape))
+        parts = {p.name: p for p in host_estimate(adapter, moe_shape, derive_sizes(
+            adapter, moe_shape), est).on_node().parts}
+        assert parts["engine weights"].nbytes == est.engine.weights == 2 * params, backend
+        assert parts["engine weights"].round_up == round_up, backend
+    assert engine_round_up > 3 * GB  # 12 MiB -> 16 MiB...
 
 
 def test_param_offload_adds_the_weights_in_slabs_and_the_demo_is_small(moe_shape, tiny_moe_dir):
@@ -163,10 +168,19 @@ def test_every_field_the_fix_names_exists_and_takes_its_value(moe_shape):
     fixes = host_fixes(cfg, moe_shape, sizes, host, node, node.total * 9 // 10, 120 * GB)
     text = "; ".join(fixes)
     for fix in ("actor.offload.optimizer_offload=false with rollout.gpu_memory_utilization=",
-                "actor.offload.param_offload=false", "rollout.backend=sglang",
+                "actor.offload.param_offload=false",
                 "actor.use_distributed_optimizer=true", "resources.train_pool.gpus_per_node=7"):
         assert fix in text, fix
-    named = _named_fields(text)
+    adapter = e2e_config("actor.lora.rank=32", "actor.lora.sync=adapter",
+                         "resources.train_pool.gpus_per_node=8")
+    a_sizes = derive_sizes(adapter, moe_shape)
+    a_host = host_estimate(adapter, moe_shape, a_sizes)
+    a_node = a_host.on_node()
+    merged = "; ".join(host_fixes(adapter, moe_shape, a_sizes, a_host, a_node,
+                                  a_node.total * 9 // 10, 120 * GB))
+    assert "actor.lora.sync=merged (the engines then drop released weights" in merged, merged
+    assert "lora.sync" not in text
+    named = _named_fields(text + "; " + merged)
     assert len(named) >= 6
     known = schema_fields()
     for field, value in named:
@@ -177,4 +191,4 @@ def test_every_field_the_fix_names_exists_and_takes_its_value(moe_shape):
     tight = host_fixes(cfg, moe_shape, sizes, host, node, node.total * 9 // 10, 20 * GB)
     assert not any(".offload." in fix for fix in tight)
     short = host_fixes(cfg, moe_shape, sizes, host, node, node.total // 3, int(139.8 * GB))
-    assert "sglang" not in "; ".join(short) and "optimizer_offload" in "; ".join(short)
+    assert "optimizer_offload" in "; ".join(short)

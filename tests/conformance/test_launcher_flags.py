@@ -18,7 +18,8 @@ CONFIGS = {
     "everything": SGLangLaunchConfig(
         model_path="/ckpt/Qwen3-30B-A3B", host="10.0.0.5", port=30010, tp_size=4, dp_size=2,
         ep_size=4, pp_size=2, enable_dp_attention=True, mem_fraction_static=0.75,
-        enable_memory_saver=True, skip_tokenizer_init=True, enable_return_routed_experts=True,
+        enable_memory_saver=True, enable_weights_cpu_backup=True, skip_tokenizer_init=True,
+        enable_return_routed_experts=True,
         load_format="dummy", weight_version="7", enable_deterministic_inference=True,
         skip_server_warmup=True, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000",
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",
@@ -42,7 +43,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
     "everything": _fields(
         model_path="/ckpt/Qwen3-30B-A3B", host="10.0.0.5", port=30010, tp_size=4, dp_size=2,
         ep_size=4, pp_size=2, enable_dp_attention=True, mem_fraction_static=0.75,
-        enable_memory_saver=True, skip_tokenizer_init=True, enable_return_routed_experts=True,
+        enable_memory_saver=True, enable_weights_cpu_backup=True, skip_tokenizer_init=True,
+        enable_return_routed_experts=True,
         load_format="dummy", weight_version="7", enable_deterministic_inference=True,
         skip_server_warmup=True, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000",
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",

@@ -5,6 +5,7 @@ for an update that runs as before."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megarl.data.tiny_model import make_tiny_model
@@ -27,16 +28,19 @@ def _decode_logits(runner, seqs: list[list[int]], steps: int = 4) -> torch.Tenso
     return logits.float().cpu()
 
 
-def test_engine_release_frees_weights_and_kv_and_resume_restores(tmp_path):
+@pytest.mark.parametrize("backup", [True, False])
+def test_engine_release_frees_weights_and_kv_and_resume_restores(tmp_path, backup):
     """release kv_cache + weights drops allocated memory by at least the weights; resume brings
-    the weights back and decoding (fused projections, static KV, CUDA graphs) gives the same
-    logits as before."""
+    the weights back (``backup``: from host memory; else dropped, and a load of the checkpoint,
+    as a weight sync writes, refills them) and decoding (fused projections, static KV, CUDA
+    graphs) gives the same logits as before."""
     from megarl.rollout.local.model_runner import ModelRunner
+    from megarl.rollout.local.weights import iter_safetensors
 
     model_dir = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0, head_dim=64,
                                 hidden_size=512, num_attention_heads=8, num_hidden_layers=4,
                                 with_tokenizer=False)
-    runner = ModelRunner(model_dir, device="cuda", dtype="bfloat16")
+    runner = ModelRunner(model_dir, device="cuda", dtype="bfloat16", weights_cpu_backup=backup)
     seqs = [[5, 6, 7, 8] * 8, [9, 10, 11] * 20]
     _decode_logits(runner, seqs)  # the first decode captures the graphs
     weights = _tensor_bytes(runner.model)
@@ -47,9 +51,16 @@ def test_engine_release_frees_weights_and_kv_and_resume_restores(tmp_path):
     runner.offload()
     released = torch.cuda.memory_allocated()
     assert loaded - released >= weights, (loaded, released, weights)
-    assert all(p.device.type == "cpu" for p in runner.model.parameters())
+    if backup:
+        assert all(p.device.type == "cpu" for p in runner.model.parameters())
+    else:
+        assert all(p.numel() == 0 for p in runner.model.parameters())
     runner.reload()
     assert torch.cuda.memory_allocated() - released >= weights
+    if not backup:
+        assert runner.weight_map.unwritten()
+        runner.weight_map.load_many(iter_safetensors(model_dir))
+        assert runner.weight_map.unwritten() == []
     after = _decode_logits(runner, seqs)
     torch.testing.assert_close(after, before, atol=0, rtol=0)
 

@@ -219,7 +219,10 @@ def test_an_fp8_sglang_engine_serves_an_fp8_config_with_dummy_weights(tmp_path):
 def test_engines_for_the_adapter_sync_start_with_lora_serving(tmp_path):
     """actor.lora.sync=adapter: the embedded engine starts with --enable-lora; SGLang also with
     --max-lora-rank (the actor's rank) and --lora-target-modules (the HF projections of the
-    actor's targets, every one SGLang's parser knows: tests/conformance)."""
+    actor's targets, every one SGLang's parser knows: tests/conformance). Both keep released
+    weights in host memory (--enable-weights-cpu-backup; SGLang's only when colocated, where
+    it releases them), since the adapter sync never resends the base; every other engine
+    drops them."""
     from megarl.config import load_config
     from megarl.config.lora_layers import hf_leaf_modules
     from megarl.rollout.server_worker import engine_command
@@ -229,11 +232,16 @@ def test_engines_for_the_adapter_sync_start_with_lora_serving(tmp_path):
     adapter = ["actor.lora.rank=8", "actor.lora.sync=adapter"]
     cfg, _ = load_config(demo, [*adapter, "actor.lora.target_modules=[linear_qkv,linear_fc2]"])
     local = engine_command(engine_spec(cfg, tmp_path), rank=0, port=9, device="cpu")
-    assert "--enable-lora" in local
+    assert "--enable-lora" in local and "--enable-weights-cpu-backup" in local
     cfg, _ = load_config(demo, [*adapter, "actor.lora.target_modules=[linear_qkv,linear_fc2]",
                                 "rollout.backend=sglang"])
     argv = engine_command(engine_spec(cfg, tmp_path), rank=0, port=9, device="cuda")
     assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
+    assert "--enable-weights-cpu-backup" not in argv  # separate pools: never released
+    colocated, _ = load_config(demo, [*adapter, "rollout.backend=sglang", "rollout.colocate=true",
+                                      "resources.rollout_pool=null"])
+    assert "--enable-weights-cpu-backup" in engine_command(
+        engine_spec(colocated, tmp_path), rank=0, port=9, device="cuda")
     start = argv.index("--lora-target-modules") + 1
     assert argv[start:start + 4] == ["q_proj", "k_proj", "v_proj", "down_proj"]
     assert hf_leaf_modules(None) == ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -241,6 +249,10 @@ def test_engines_for_the_adapter_sync_start_with_lora_serving(tmp_path):
     # a routed expert's projections, as SGLang names them (experts.{e}.gate_proj, ...)
     assert hf_leaf_modules(["linear_proj", "experts.linear_fc2", "experts.linear_fc1"]) == (
         "o_proj", "down_proj", "gate_proj", "up_proj")
-    merged, _ = load_config(demo, ["actor.lora.rank=8", "rollout.backend=sglang"])
-    assert "--enable-lora" not in engine_command(engine_spec(merged, tmp_path), rank=0, port=9,
-                                                 device="cuda")
+    merged, _ = load_config(demo, ["actor.lora.rank=8", "rollout.backend=sglang",
+                                   "rollout.colocate=true", "resources.rollout_pool=null"])
+    argv = engine_command(engine_spec(merged, tmp_path), rank=0, port=9, device="cuda")
+    assert "--enable-lora" not in argv and "--enable-weights-cpu-backup" not in argv
+    merged, _ = load_config(demo, ["actor.lora.rank=8"])
+    assert "--enable-weights-cpu-backup" not in engine_command(engine_spec(merged, tmp_path),
+                                                               rank=0, port=9, device="cpu")

@@ -40,3 +40,51 @@ def test_bad_names_and_shapes_are_rejected(tmp_path):
         weights.view("model.layers.9.mlp.gate.weight")
     with pytest.raises(ValueError, match="shape"):
         weights.load("model.norm.weight", torch.zeros(3))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_dropped_weights_wait_for_every_view_and_come_back_exactly(tmp_path, tied):
+    """A release without CPU backup drops every parameter's storage (on the CPU too) and keeps
+    the bytes it will ask back; after the reload (zeros) each checkpoint view is unwritten until
+    a load writes it (tied embeddings: one view under two names), a parameter written by its
+    own name counts whole, and the reloaded model computes what it did before, bit for bit."""
+    from megarl.rollout.local.model_runner import ModelRunner
+
+    path = make_tiny_model(tmp_path / "m", arch="qwen3_moe", with_tokenizer=False,
+                           tie_word_embeddings=tied)
+    runner = ModelRunner(path, weights_cpu_backup=False)
+    ids = torch.tensor([[5, 9, 30, 7]])
+    with torch.no_grad():
+        before = runner.model(ids).logits
+    total, checkpoint = runner.weight_bytes(), list(iter_safetensors(path))
+    weights = runner.weight_map
+    runner.offload()
+    assert all(p.numel() == 0 for p in runner.model.parameters())
+    assert runner.weight_bytes() == total
+    runner.reload()
+    assert not any(p.any() for p in runner.model.parameters())
+    assert len(weights.unwritten()) == len(checkpoint)  # tied: lm_head is embed_tokens' view
+    weights.load_many(checkpoint[1:])
+    assert weights.unwritten() == [checkpoint[0][0]]
+    weights.load_many(checkpoint[:1])
+    assert weights.unwritten() == []
+    with torch.no_grad():
+        assert torch.equal(runner.model(ids).logits, before)
+    # a fused expert tensor written by its parameter name covers every expert's view of it
+    runner.offload()
+    runner.reload()
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    live = dict(runner.model.named_parameters())[fused]
+    expert_views = [n for n in weights.unwritten() if ".mlp.experts." in n and
+                    n.startswith("model.layers.0.") and n.endswith(("gate_proj.weight",
+                                                                    "up_proj.weight"))]
+    assert len(expert_views) == 2 * runner.config.num_experts
+    weights.load(fused, torch.ones(live.shape))
+    assert not set(expert_views) & set(weights.unwritten())
+    # with a CPU backup nothing is dropped (on the CPU the weights stay where they are)
+    backed = ModelRunner(path, weights_cpu_backup=True)
+    backed.offload()
+    backed.reload()
+    assert backed.weight_map.unwritten() == []
+    with torch.no_grad():
+        assert torch.equal(backed.model(ids).logits, before)

@@ -151,7 +151,12 @@ def test_checker_disk_and_tensor_updates(url, dirs):
     assert samples[0].weight_version == "tensor"
 
 
-def test_token_ids_only_model_and_memory_release(url):
+def test_token_ids_only_model_and_memory_release(url, dirs):
+    """Released weights are dropped (the server runs without --enable-weights-cpu-backup, as
+    SGLang does by default): after the resume /generate is refused, naming what no update has
+    rewritten, until every tensor is written again; then it generates as the model does."""
+    a_dir, _ = dirs
+    greedy = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     with httpx.Client(base_url=url, timeout=30) as http:
         r = http.post("/generate", json={"text": "hi"})
         assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
@@ -164,4 +169,20 @@ def test_token_ids_only_model_and_memory_release(url):
         assert r.status_code == 400 and "resume_memory_occupation" in r.json()["error"]["message"]
         resumed = http.post("/resume_memory_occupation", json={})
         assert resumed.status_code == 200 and resumed.json() is None
-        assert http.post("/generate", json={"input_ids": [5]}).status_code == 200
+        a_tensors = list(iter_safetensors(a_dir))
+        r = http.post("/generate", json={"input_ids": [5]})
+        message = r.json()["error"]["message"]
+        assert r.status_code == 400 and "--enable-weights-cpu-backup" in message
+        assert f"{len(a_tensors)} tensors have not been written" in message, message
+        # one tensor written: one fewer missing
+        one = {"serialized_named_tensors": [serialize(flatten_bucket(a_tensors[:1]))],
+               "load_format": FLATTENED_BUCKET}
+        assert http.post("/update_weights_from_tensor", json=one).json()["success"]
+        message = http.post("/generate", json={"input_ids": [5]}).json()["error"]["message"]
+        assert f"{len(a_tensors) - 1} tensors have not been written" in message, message
+        assert a_tensors[0][0] not in message
+        r = http.post("/update_weights_from_disk", json={"model_path": str(a_dir)})
+        assert r.json()["success"], r.json()
+        r = http.post("/generate", json={"input_ids": [5, 9, 30], "sampling_params": greedy})
+        assert r.status_code == 200
+        assert r.json()["output_ids"] == hf_greedy(a_dir, [[5, 9, 30]])[0]

@@ -523,7 +523,7 @@ class LocalEngine:
 
     def release_memory(self, tags: list[str]) -> str:
         """Give up memory while training runs (engine thread only); generation waits until
-        :meth:`resume_memory`. On GPU ``weights`` moves the model to host memory."""
+        :meth:`resume_memory`. ``weights``: :meth:`ModelRunner.offload` (host copy or drop)."""
         unknown = sorted(set(tags) - set(MEMORY_TAGS))
         if unknown:
             raise ValueError(f"tags: unknown {unknown}; use {list(MEMORY_TAGS)} or null")

@@ -38,6 +38,7 @@ from megarl.rollout.local.fp8_layers import (
 from megarl.rollout.local.lora_serving import LoraServing
 from megarl.rollout.local.sampling import FusedSampling
 from megarl.rollout.local.static_kv import NativeDecoder, PrefillKV, native_unsupported_reason
+from megarl.rollout.local.weights import WeightMap
 
 logger = logging.getLogger(__name__)
 Backend = Literal["auto", "hf", "native"]
@@ -153,7 +154,8 @@ class ModelRunner:
     def __init__(self, model_path: str | Path, device: str = "cpu", dtype: str = "auto",
                  context_length: int | None = None, backend: Backend = "auto",
                  cuda_graphs: bool = True, trust_remote_code: bool = False,
-                 quantization: str | None = None, enable_lora: bool = False) -> None:
+                 quantization: str | None = None, enable_lora: bool = False,
+                 weights_cpu_backup: bool = True) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -185,6 +187,10 @@ class ModelRunner:
         self.cache: object | None = None
         self.batch: KVBatch | None = None
         self.native = self._make_native(backend, cuda_graphs)
+        self._weight_map: WeightMap | None = None
+        self.weights_cpu_backup = weights_cpu_backup
+        """What :meth:`offload` does by default: keep the weights in host memory, or drop them."""
+        self._dropped: list[tuple[nn.Parameter, torch.Size]] = []
 
     def _make_native(self, backend: Backend, cuda_graphs: bool) -> NativeDecoder | None:
         if backend not in ("auto", "hf", "native"):
@@ -219,23 +225,52 @@ class ModelRunner:
             return self.native.rows
         return 0 if self.batch is None else self.batch.rows
 
-    def offload(self) -> None:
-        """Move the weights to pinned host memory (GPU only; a CPU model stays where it is).
-        Each parameter and buffer keeps its identity (``.data`` moves), so weight views
-        resolved by name stay valid; the fused projections and CUDA graphs are rebuilt."""
-        if self.device.type != "cpu":
+    @property
+    def weight_map(self) -> WeightMap:
+        """Checkpoint names -> live views of this model's weights (built once, on first use)."""
+        if self._weight_map is None:
+            self._weight_map = WeightMap(self.model)
+        return self._weight_map
+
+    def offload(self, backup: bool | None = None) -> None:
+        """Give up the weights' memory. With ``backup`` (default :attr:`weights_cpu_backup`;
+        SGLang's
+        ``--enable-weights-cpu-backup``) move them to pinned host memory (GPU only; a CPU model
+        stays where it is). Without, drop every parameter's storage, on any device, as SGLang
+        drops a region without CPU backup: :meth:`reload` gives them zeros and a weight update
+        must write them (:meth:`WeightMap.unwritten` names what it has not; buffers, a few
+        small tensors a weight sync need not carry, stay). Either way each parameter keeps its
+        identity (``.data`` changes), so weight views resolved by name stay valid, and the
+        fused projections and CUDA graphs are rebuilt."""
+        if not (self.weights_cpu_backup if backup is None else backup):
+            self.release_kv_cache()
+            params = list({id(p): p for p in self.model.parameters()}.values())
+            self.weight_map.drop(params)
+            self._dropped = [(p, p.shape) for p in params]
+            for p in params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+        elif self.device.type != "cpu":
             self.release_kv_cache()
             _move_tensors(self.model, torch.device("cpu"))
             torch.cuda.empty_cache()
 
     def reload(self) -> None:
-        """Move the weights back to the model's device after :meth:`offload`."""
+        """Take the weights' memory back after :meth:`offload`: dropped parameters get zeros."""
+        if self._dropped:
+            for p, shape in self._dropped:
+                p.data = torch.zeros(shape, dtype=p.dtype, device=self.device)
+            self._dropped = []
         _move_tensors(self.model, self.device)
 
     def weight_bytes(self) -> int:
-        """Bytes of every parameter and buffer: what the weights take on the device."""
+        """Bytes of every parameter and buffer: what the weights take on the device (dropped
+        ones at their shapes: what :meth:`reload` asks for)."""
         tensors = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
-        return sum(t.numel() * t.element_size() for t in tensors.values())
+        shapes = {id(p): shape for p, shape in self._dropped}
+        return sum(shapes[key].numel() * t.element_size() if key in shapes else
+                   t.numel() * t.element_size() for key, t in tensors.items())
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -60,6 +60,7 @@ from megarl.rollout.local.protocol import (
     sample_to_sglang,
 )
 from megarl.rollout.local.weight_updates import WeightReceiver
+from megarl.rollout.local.weights import unusable_weights
 from megarl.rollout.routed_experts import RoutedExpertsLayout
 
 logger = logging.getLogger(__name__)
@@ -212,9 +213,8 @@ def _generation_routes(app: FastAPI, state: ServerState) -> None:
     async def generate(request: Request) -> Any:
         requests, as_list = parse_generate(await _body(request), state.limits, state.tokenizer)
         _check_adapters(engine, [r.lora for r in requests])
-        if "weights" in engine.released:
-            raise BadRequest("weights are released (/release_memory_occupation); call "
-                             "/resume_memory_occupation first")
+        if "weights" in engine.released or engine.runner.weight_map.unwritten():
+            raise BadRequest(unusable_weights(engine.released, engine.runner.weight_map))
         futures = [asyncio.wrap_future(engine.submit(r)) for r in requests]
         try:
             results = await asyncio.gather(*futures)
@@ -448,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (/load_lora_adapter*, lora_path in /generate); "
                         "decodes through the HF modules")
+    p.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="released weights wait in host memory (else dropped: a weight update "
+                        "must rewrite them before /generate runs again)")
     p.add_argument("--context-length", type=int, default=None,
                    help="max prompt + response tokens (default: max_position_embeddings)")
     p.add_argument("--max-running-requests", type=int, default=256,
@@ -486,7 +489,8 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                          context_length=args.context_length,
                          trust_remote_code=args.trust_remote_code,
-                         quantization=args.quantization, enable_lora=args.enable_lora)
+                         quantization=args.quantization, enable_lora=args.enable_lora,
+                         weights_cpu_backup=args.enable_weights_cpu_backup)
     budget = kv_token_budget(args, runner, free_before_load)
     engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
                          max_prefill_tokens=args.max_prefill_tokens,

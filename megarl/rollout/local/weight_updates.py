@@ -20,7 +20,6 @@ import torch.distributed as dist
 from megarl.rollout.local.engine import LocalEngine
 from megarl.rollout.local.weights import (
     UnknownWeight,
-    WeightMap,
     WeightsChecker,
     iter_safetensors,
 )
@@ -39,7 +38,7 @@ class WeightReceiver:
 
     def __init__(self, engine: LocalEngine) -> None:
         self.engine = engine
-        self.weights = WeightMap(engine.runner.model)
+        self.weights = engine.runner.weight_map
         self.checker = WeightsChecker(self.weights)
         self.groups: dict[str, dist.ProcessGroup] = {}
 

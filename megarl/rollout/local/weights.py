@@ -76,6 +76,9 @@ class WeightMap:
                                      "supported by the embedded engine")
                 self._specs[ckpt_name] = (name, *spec)
         self._add_expert_scales()
+        self._unwritten: dict[tuple, str] = {}
+        """The views of dropped parameters not written since (:meth:`drop`): (live tensor's id,
+        size, stride, offset) -> a checkpoint name of it (tied names share one view)."""
 
     def _add_expert_scales(self) -> None:
         """Checkpoint names of the block-FP8 experts' scales (``experts.3.gate_proj.
@@ -119,6 +122,34 @@ class WeightMap:
                              f"(--quantization fp8) and got {tensor.dtype}; send FP8 weights "
                              "with their weight_scale_inv (rollout.quantization: fp8)")
         target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        if self._unwritten:
+            self._written(name)
+
+    def _key(self, name: str) -> tuple:
+        live_name, size, stride, offset = self._specs[name]
+        return id(self._live[live_name]), size, stride, offset
+
+    def _written(self, name: str) -> None:
+        if name in self._specs:
+            self._unwritten.pop(self._key(name), None)
+        else:  # a parameter's own name: the whole tensor
+            live = id(self._live[name])
+            for key in [k for k in self._unwritten if k[0] == live]:
+                del self._unwritten[key]
+
+    def drop(self, tensors: Iterable[torch.Tensor]) -> None:
+        """``tensors`` (live parameters) lost their values (a release of the weights without
+        a CPU backup): each checkpoint name that writes into them is unwritten until a load
+        writes it (or, by the parameter's own name, the whole tensor)."""
+        dropped = {id(t) for t in tensors}
+        for name in self._specs:
+            key = self._key(name)
+            if key[0] in dropped:
+                self._unwritten.setdefault(key, name)
+
+    def unwritten(self) -> list[str]:
+        """Checkpoint names of dropped weights no load has written since (one per view)."""
+        return list(self._unwritten.values())
 
     def live_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every live parameter and buffer of the model by its own name (tied ones once)."""
@@ -135,6 +166,19 @@ class WeightMap:
             self.load(name, tensor)
             count += 1
         return count
+
+
+def unusable_weights(released: set[str], weights: WeightMap) -> str:
+    """Why ``/generate`` is refused: the weights are released, or were dropped (released
+    without ``--enable-weights-cpu-backup``) and a weight update has not rewritten them all."""
+    if "weights" in released:
+        return ("weights are released (/release_memory_occupation); call "
+                "/resume_memory_occupation first")
+    missing = weights.unwritten()
+    return (f"the weights were released without --enable-weights-cpu-backup (dropped) and "
+            f"{len(missing)} tensors have not been written since, e.g. {missing[:3]}: send them "
+            "with /update_weights_from_tensor, _distributed or _disk first, or start the "
+            "server with --enable-weights-cpu-backup")
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:

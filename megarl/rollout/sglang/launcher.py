@@ -41,6 +41,9 @@ class SGLangLaunchConfig:
     mem_fraction_static: float | None = 0.7
     enable_memory_saver: bool = False
     """Needed for release/resume memory (colocated training)."""
+    enable_weights_cpu_backup: bool = False
+    """Released weights wait in host memory; without it ``/release_memory_occupation`` drops
+    them and the next weight sync must resend them all (the LoRA adapter sync does not)."""
     skip_tokenizer_init: bool = True
     """Token ids in and out, as megarl's client sends them."""
     enable_return_routed_experts: bool = False
@@ -106,6 +109,7 @@ def build_sglang_command(cfg: SGLangLaunchConfig, python: str = sys.executable) 
                  "--dist-init-addr", cfg.dist_init_addr]
     switches = (("--enable-dp-attention", cfg.enable_dp_attention),
                 ("--enable-memory-saver", cfg.enable_memory_saver),
+                ("--enable-weights-cpu-backup", cfg.enable_weights_cpu_backup),
                 ("--skip-tokenizer-init", cfg.skip_tokenizer_init),
                 ("--enable-return-routed-experts", cfg.enable_return_routed_experts),
                 ("--enable-deterministic-inference",
