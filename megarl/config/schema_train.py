@@ -157,7 +157,9 @@ class LoraConfig(Section):
         "SGLang's /load_lora_adapter_from_tensors (a new name per version, the previous one "
         "unloaded; every request names it with lora_path); the engines keep model.path as the "
         "base, so model.mcore_checkpoint is refused. Engines start with --enable-lora (SGLang "
-        "also with --max-lora-rank and --lora-target-modules). Every scheduler syncs between "
+        "also with --max-lora-rank and --lora-target-modules) and, colocated, with "
+        "--enable-weights-cpu-backup: the base waits in host memory while the actor trains, "
+        "where a merged sync's engines drop it. Every scheduler syncs between "
         "generations, so no request in flight uses the adapter unloaded"))
 
 
