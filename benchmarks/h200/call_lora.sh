@@ -1,11 +1,16 @@
 # H200 call (issue 33): LoRA on a model a full fine-tune cannot fit on one H200. The MoE shape of
 # e2e_step.py at LORA_LAYERS (14) of Qwen3-30B-A3B's layers: ~9.3B parameters, 18.6 GB of bf16
 # weights; a full fine-tune's update needs ~162 GB (fp32 grads and Adam; 24 layers: ~267 GB),
-# and the preflight refuses it (first run, exit 1 expected; LORA_REFUSAL=0 skips it). Then LoRA (rank 32 on the attention) with the merged sync and with
-# the adapter sync: warm-up + LORA_STEPS timed steps of LORA_PROMPTS prompts each, JSON to $OUT.
+# and the preflight refuses it (first run, exit 1 expected; LORA_REFUSAL=0 skips it). Then LoRA
+# (rank 32 on the attention) with the merged sync and with the adapter sync (LORA_SYNCS):
+# warm-up + LORA_STEPS timed steps of LORA_PROMPTS prompts each, JSON to $OUT.
 # Responses are short (LORA_MAX_RESPONSE, median LORA_MEDIAN): an engine serving adapters decodes
 # through HF's eager modules (128 experts a layer in HF's expert loop), not the native decoder,
 # and 2,048-token answers would not end inside LORA_TIMEOUT; both syncs run the same lengths.
+# Measured on an H100 (benchmarks/RESULTS.md): the refusal ~40 s with the model written; merged
+# ~235 s (setup 188 s, steps 22 + 24 s); the adapter run's setup 215 s and its steps much longer
+# (HF's eager decode): give it a call of its own, LORA_REFUSAL=0 LORA_SYNCS=adapter
+# LORA_TIMEOUT=540 (the model stays in /tmp/e2e_lora while the machine stays warm).
 source benchmarks/h200/setup.sh
 L=${LORA_LAYERS:-14}
 common="--shape moe --moe-layers $L --trl off --out /tmp/e2e_lora --prompts ${LORA_PROMPTS:-16}
