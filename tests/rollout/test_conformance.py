@@ -57,7 +57,10 @@ def test_client_keeps_engines_it_paused_or_released_in_service(server):
     assert list(down) == [0] and "health checks" in down[0]
 
 
-def test_memory_release_answers_null_and_errors_like_sglang(server):
+def test_memory_release_answers_null_and_errors_like_sglang(server, moe_dir):
+    """Release and resume answer a JSON null; an unknown tag is refused. The released weights
+    are dropped (no --enable-weights-cpu-backup, as SGLang by default), so generation waits for
+    a weight update, here the server's own checkpoint from disk (the server is shared)."""
     with httpx.Client(base_url=server.url, timeout=30) as http:
         r = http.post("/release_memory_occupation", json={"tags": ["kv_cache"]})
         assert (r.status_code, r.content) == (200, b"null")
@@ -74,12 +77,20 @@ def test_memory_release_answers_null_and_errors_like_sglang(server):
             try:
                 await client.release_memory(["gpu"])
             except Exception as err:  # noqa: BLE001 - the message is what is checked
-                return str(err)
-            return "no error"
+                message = str(err)
+            else:
+                message = "no error"
+            async with httpx.AsyncClient(base_url=server.url) as http:
+                refused = (await http.post("/generate", json={"input_ids": [5]})).json()
+                await client.update_weights_from_disk(str(moe_dir))
+                served = await http.post("/generate", json={"input_ids": [5]})
+            return message, refused["error"]["message"], served.status_code
         finally:
             await client.close()
 
-    assert "unknown ['gpu']" in asyncio.run(scenario())
+    message, refused, served = asyncio.run(scenario())
+    assert "unknown ['gpu']" in message
+    assert "--enable-weights-cpu-backup" in refused and served == 200
 
 
 def test_model_info_replaces_get_weight_version(server):
