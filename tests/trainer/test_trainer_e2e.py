@@ -105,7 +105,7 @@ def test_fp8_rollout_engine_holds_the_quantized_actor_and_the_mismatch_is_correc
     quantization of the actor's export (weights and ``weight_scale_inv``) and every other
     tensor as exported; the engine's FP8 log-probs differ from the fp32 trainer's, by less than
     the health monitor's FP8 baseline, and the IS weights see that difference."""
-    from megarl.weights.fp8 import is_quantized_weight, quantize_blockwise, scale_name
+    from megarl.weights.fp8 import fp8_payload
 
     trainer = make_trainer(assets, tmp_path / "fp8", "trainer.total_steps=2",
                            "data.train_batch_size=8", "rollout.n=4",
@@ -120,13 +120,8 @@ def test_fp8_rollout_engine_holds_the_quantized_actor_and_the_mismatch_is_correc
                 trainer.health.thresholds.rollout_probs_diff_max, metrics
             assert metrics["rollout_corr/rollout_is_std"] > 0  # the weights are not all 1
             assert metrics["rollout_corr/rollout_is_max"] != 1.0
-            expected = {}
-            for name, tensor in trainer.workers.actor.execute_all("hf_state_dict")[0].items():
-                if is_quantized_weight(name, tensor):
-                    weight, scale = quantize_blockwise(tensor)
-                    expected[name], expected[scale_name(name)] = weight.float(), scale
-                else:
-                    expected[name] = tensor.float()
+            actor = trainer.workers.actor.execute_all("hf_state_dict")[0]
+            expected = {name: tensor.float() for name, tensor in fp8_payload(actor).items()}
             assert sum(n.endswith("_scale_inv") for n in expected) >= 8
             on_engine = engine_weights(trainer, list(expected))
             for name, tensor in expected.items():

@@ -234,14 +234,13 @@ class ModelRunner:
 
     def offload(self, backup: bool | None = None) -> None:
         """Give up the weights' memory. With ``backup`` (default :attr:`weights_cpu_backup`;
-        SGLang's
-        ``--enable-weights-cpu-backup``) move them to pinned host memory (GPU only; a CPU model
-        stays where it is). Without, drop every parameter's storage, on any device, as SGLang
-        drops a region without CPU backup: :meth:`reload` gives them zeros and a weight update
-        must write them (:meth:`WeightMap.unwritten` names what it has not; buffers, a few
-        small tensors a weight sync need not carry, stay). Either way each parameter keeps its
-        identity (``.data`` changes), so weight views resolved by name stay valid, and the
-        fused projections and CUDA graphs are rebuilt."""
+        SGLang's ``--enable-weights-cpu-backup``) move them to pinned host memory (GPU only; a
+        CPU model stays where it is). Without, drop every parameter's storage, on any device,
+        as SGLang drops a region without CPU backup: :meth:`reload` gives them zeros and a
+        weight update must write them (:meth:`WeightMap.unwritten` names what it has not;
+        buffers, a few small tensors a weight sync need not carry, stay). Either way each
+        parameter keeps its identity (``.data`` changes), so weight views resolved by name stay
+        valid, and the fused projections and CUDA graphs are rebuilt."""
         if not (self.weights_cpu_backup if backup is None else backup):
             self.release_kv_cache()
             params = list({id(p): p for p in self.model.parameters()}.values())
