@@ -7,10 +7,11 @@
 # Responses are short (LORA_MAX_RESPONSE, median LORA_MEDIAN): an engine serving adapters decodes
 # through HF's eager modules (128 experts a layer in HF's expert loop), not the native decoder,
 # and 2,048-token answers would not end inside LORA_TIMEOUT; both syncs run the same lengths.
-# Measured on an H100 (benchmarks/RESULTS.md): the refusal ~40 s with the model written; merged
-# ~235 s (setup 188 s, steps 22 + 24 s); the adapter run's setup 215 s and its steps much longer
-# (HF's eager decode): give it a call of its own, LORA_REFUSAL=0 LORA_SYNCS=adapter
-# LORA_TIMEOUT=540 (the model stays in /tmp/e2e_lora while the machine stays warm).
+# Measured on an H100 at da533f2 (benchmarks/RESULTS.md): the refusal ~40 s; merged ~210 s
+# (setup 176 s, steps 17 + 5.5 s); adapter ~260 s (setup 178 s, steps 49 + 22 s: its engine
+# decodes through HF's modules). One call each: LORA_SYNCS=merged LORA_TIMEOUT=300, then
+# LORA_REFUSAL=0 LORA_SYNCS=adapter LORA_TIMEOUT=540 (the model stays in /tmp/e2e_lora while the
+# machine stays warm).
 source benchmarks/h200/setup.sh
 L=${LORA_LAYERS:-14}
 common="--shape moe --moe-layers $L --trl off --out /tmp/e2e_lora --prompts ${LORA_PROMPTS:-16}
@@ -34,6 +35,7 @@ for sync in ${LORA_SYNCS:-merged adapter}; do
   echo "lora $sync rc=$?"
   grep -v -i "warn" $OUT/lora_$sync.log | tail -25
   cp /tmp/e2e_lora/e2e_step.json $OUT/lora_$sync.json 2>/dev/null
-  cp /tmp/e2e_lora/moe/megarl/metrics.jsonl $OUT/lora_metrics_$sync.jsonl 2>/dev/null
+  # each step's metrics (checkpoint_engine/bytes: what the sync sent) as e2e_step logs them
+  cp /tmp/e2e_lora/moe/megarl/steps.jsonl $OUT/lora_steps_$sync.jsonl 2>/dev/null
 done
 kill $monitor 2>/dev/null
