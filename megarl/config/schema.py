@@ -102,6 +102,12 @@ class RolloutConfig(Section):
         "whole 128-blocks per GPU). With fp8, "
         "algorithm.rollout_correction.rollout_is defaults to token and the health monitor's "
         "mismatch alarm to the FP8 baseline"))
+    load_format: Literal["auto", "dummy"] = Field("auto", description=(
+        "how the engines get their first weights (SGLang's --load-format): auto = they read "
+        "`model.path`'s safetensors; dummy = they build the model from its config.json alone, "
+        "random and unread (no checkpoint load: the start of a large MoE engine), and the "
+        "trainer syncs the actor's weights into them before the first generation, as after a "
+        "resume; an engine that got none refuses /generate"))
     api_key: str | None = Field(None, repr=False, description=(
         "key every HTTP endpoint of the engines requires (`Authorization: Bearer <key>`), "
         "weight updates and control included; required when `host` is not a loopback "

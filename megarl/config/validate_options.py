@@ -228,6 +228,15 @@ def check_cuda_graphs(ctx: Context) -> Iterator[Problem]:
                       "update runs eagerly on the CPU", "set actor.cuda_graphs=false")
 
 
+def engines_start_without_weights(cfg: RunConfig) -> bool:
+    """Whether the engines start from dummy weights, so that the trainer must sync before the
+    first generation: asked for (``rollout.load_format=dummy``), or SGLang in block FP8
+    (``rollout.quantization=fp8``), which builds its fp8 parameters from an FP8-serialized
+    config only (docs/fp8.md)."""
+    return cfg.rollout.load_format == "dummy" or (cfg.rollout.backend == "sglang"
+                                                  and cfg.rollout.quantization == "fp8")
+
+
 def check_lora(ctx: Context) -> Iterator[Problem]:
     """LoRA adapters must select layers of the model, and what they cannot run with is refused:
     CUDA graphs (the graphed update does not cover the adapters), multi-latent attention (no
@@ -240,6 +249,12 @@ def check_lora(ctx: Context) -> Iterator[Problem]:
         yield error(("actor.lora.rank", "actor.cuda_graphs"), "megarl's CUDA-graphed update "
                     "captures the full-weight layers; its graphs do not run the adapters",
                     "set actor.cuda_graphs=false or actor.lora.rank=0")
+    if lora.sync == "adapter" and engines_start_without_weights(cfg):
+        yield error(("actor.lora.sync", "rollout.load_format"), "the engines start from dummy "
+                    "weights (rollout.load_format=dummy, or SGLang in fp8) and the adapter sync "
+                    "never sends them the base, so they could never generate",
+                    "set rollout.load_format=auto (and rollout.quantization=null on SGLang) or "
+                    "actor.lora.sync=merged")
     if lora.sync == "adapter" and cfg.model.mcore_checkpoint:
         yield error(("actor.lora.sync", "model.mcore_checkpoint"), "the adapter sync sends "
                     "only the adapters, so the engines keep model.path as their base, while the "

@@ -53,6 +53,9 @@ class EngineSpec:
     ``--max-lora-rank`` and ``--lora-target-modules`` from the two fields below."""
     lora_rank: int = 0
     lora_modules: tuple[str, ...] = ()
+    load_format: str = "auto"
+    """``dummy``: the engine starts from random weights without reading the checkpoint
+    (``rollout.load_format``); the trainer syncs before the first generation."""
     quantization: str | None = None
     """``fp8``: the engine holds its projections in block FP8 (``rollout.quantization``;
     docs/fp8.md); SGLang starts from dummy weights, which the trainer's first sync replaces."""
@@ -65,6 +68,8 @@ def local_engine_args(spec: EngineSpec) -> list[str]:
         extra.append("--trust-remote-code")
     if spec.quantization:
         extra += ["--quantization", spec.quantization]
+    if spec.load_format != "auto":
+        extra += ["--load-format", spec.load_format]
     if spec.enable_lora:  # the adapter sync never resends the base: released weights wait
         extra += ["--enable-lora", "--enable-weights-cpu-backup"]  # in host memory
     return extra
@@ -88,7 +93,8 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
         fp8_serving_dir,
     )
 
-    model_path, load_format = spec.model_path, None
+    model_path = spec.model_path
+    load_format = None if spec.load_format == "auto" else spec.load_format
     if spec.quantization == "fp8":  # an FP8-serialized config, weights from the first sync
         model_path = str(fp8_serving_dir(spec.model_path,
                                          Path(spec.log_dir) / f"fp8_model_engine{rank}"))

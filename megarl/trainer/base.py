@@ -13,17 +13,13 @@ from typing import Any
 from megarl.algo import KLController, make_kl_controller
 from megarl.config import RunConfig
 from megarl.config.render import render_config
+from megarl.config.validate_options import engines_start_without_weights
 from megarl.faults import fail_point
 from megarl.metrics.health import HealthMonitor, NonFiniteGuard, thresholds_for
 from megarl.metrics.trackers import MultiTracker, TrackerSettings
 from megarl.rollout.agent import AgentLoop, AgentSettings
 from megarl.trainer.checkpoint import resume_run
-from megarl.trainer.workers import (
-    Workers,
-    build_workers,
-    engines_start_without_weights,
-    shutdown_workers,
-)
+from megarl.trainer.workers import Workers, build_workers, shutdown_workers
 
 
 class TrainerBase:

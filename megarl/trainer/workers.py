@@ -135,13 +135,6 @@ def engine_max_num_seqs(cfg: RunConfig) -> int | None:
     return resolve_sizes(cfg, model).max_num_seqs
 
 
-def engines_start_without_weights(cfg: RunConfig) -> bool:
-    """Whether the engines start from dummy weights, so that the trainer must sync before the
-    first generation: SGLang in block FP8 (``rollout.quantization=fp8``), which builds its fp8
-    parameters from an FP8-serialized config only (docs/fp8.md)."""
-    return cfg.rollout.backend == "sglang" and cfg.rollout.quantization == "fp8"
-
-
 def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
     """The RolloutServerWorker's settings from the config."""
     r = cfg.rollout
@@ -154,7 +147,8 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       return_routed_experts=bool(r.enable_return_routed_experts),
                       colocated=r.colocate, api_key=r.api_key,
                       trust_remote_code=cfg.model.trust_remote_code,
-                      quantization=r.quantization, enable_lora=adapters,
+                      quantization=r.quantization, load_format=r.load_format,
+                      enable_lora=adapters,
                       lora_rank=cfg.actor.lora.rank if adapters else 0,
                       lora_modules=hf_leaf_modules(cfg.actor.lora.target_modules)
                       if adapters else ())

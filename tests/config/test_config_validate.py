@@ -469,7 +469,8 @@ def test_fp8_engines_that_fit_sglangs_blocks_pass(checker):
 
 def test_the_adapter_sync_refuses_a_base_the_engines_do_not_have(checker):
     """actor.lora.sync=adapter sends only the adapters, so the engines' base is model.path: an
-    actor whose first weights come from model.mcore_checkpoint would not match it."""
+    actor whose first weights come from model.mcore_checkpoint would not match it, and engines
+    started from dummy weights would never get one."""
     lora = ("actor.lora.rank=8", "actor.lora.sync=adapter")
     problem = checker.find("check_lora", *lora, "model.mcore_checkpoint=/ckpt/run",
                            field="actor.lora.sync", allow_missing_files=True)
@@ -478,5 +479,14 @@ def test_the_adapter_sync_refuses_a_base_the_engines_do_not_have(checker):
                 if p.rule == "check_lora"]
     assert not [p for p in checker.problems("actor.lora.rank=8",
                                             "model.mcore_checkpoint=/ckpt/run",
+                                            allow_missing_files=True)
+                if p.rule == "check_lora"]
+    # nor engines that start from dummy weights: the adapter sync never sends them a base
+    for dummy in (["rollout.load_format=dummy"],
+                  ["rollout.backend=sglang", "rollout.quantization=fp8"]):
+        problem = checker.find("check_lora", *lora, *dummy, field="actor.lora.sync",
+                               allow_missing_files=True)
+        assert "rollout.load_format" in problem.fields and "never sends" in problem.line()
+    assert not [p for p in checker.problems("actor.lora.rank=8", "rollout.load_format=dummy",
                                             allow_missing_files=True)
                 if p.rule == "check_lora"]

@@ -65,6 +65,36 @@ def test_engine_release_frees_weights_and_kv_and_resume_restores(tmp_path, backu
     torch.testing.assert_close(after, before, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_dummy_start_on_the_gpu_decodes_as_the_checkpoint_once_written(tmp_path, arch):
+    """``load_format="dummy"`` (``rollout.load_format``) builds the model on the GPU from its
+    config alone, with no checkpoint read; once a load of the checkpoint (what the trainer's
+    first sync writes) has written every tensor, the native decoder (fused projections, static
+    KV, CUDA graphs) gives the logits of an engine that read the checkpoint, bit for bit."""
+    import shutil
+
+    from megarl.rollout.local.model_runner import ModelRunner
+    from megarl.rollout.local.weights import iter_safetensors
+
+    model_dir = make_tiny_model(tmp_path / "m", arch=arch, seed=0, head_dim=64,
+                                hidden_size=512, num_attention_heads=8, num_hidden_layers=4,
+                                with_tokenizer=False)
+    seqs = [[5, 6, 7, 8] * 8, [9, 10, 11] * 20]
+    loaded = ModelRunner(model_dir, device="cuda", dtype="bfloat16")
+    _decode_logits(loaded, seqs)  # the first decode captures the graphs
+    expected = _decode_logits(loaded, seqs)  # replayed, as below
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    shutil.copy(model_dir / "config.json", bare / "config.json")
+    runner = ModelRunner(bare, device="cuda", dtype="bfloat16", load_format="dummy")
+    assert all(p.device.type == "cuda" for p in runner.model.parameters())
+    assert runner.weight_map.unwritten()
+    runner.weight_map.load_many(iter_safetensors(model_dir))
+    assert runner.weight_map.unwritten() == []
+    _decode_logits(runner, seqs)  # the first decode captures the graphs
+    torch.testing.assert_close(_decode_logits(runner, seqs), expected, atol=0, rtol=0)
+
+
 def test_actor_offload_frees_state_and_reload_restores(tmp_path, megatron_rank):
     """Offloading param, grad and optimizer frees at least their bytes on the GPU; reload
     restores them bit-exactly and the next update runs."""

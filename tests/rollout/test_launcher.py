@@ -183,9 +183,10 @@ def test_an_fp8_sglang_engine_serves_an_fp8_config_with_dummy_weights(tmp_path):
     import json
 
     from megarl.config import load_config
+    from megarl.config.validate_options import engines_start_without_weights
     from megarl.data.tiny_model import make_tiny_model
     from megarl.rollout.server_worker import EngineSpec, engine_command
-    from megarl.trainer.workers import engines_start_without_weights
+    from megarl.trainer.workers import engine_spec
     from megarl.weights.fp8 import QUANTIZATION_CONFIG
 
     model = make_tiny_model(tmp_path / "model", arch="qwen3_moe")
@@ -214,6 +215,14 @@ def test_an_fp8_sglang_engine_serves_an_fp8_config_with_dummy_weights(tmp_path):
                                                             "rollout.backend=sglang"])[0])
     assert not engines_start_without_weights(load_config(demo, overrides)[0])
     assert not engines_start_without_weights(load_config(demo, ["rollout.backend=sglang"])[0])
+    # rollout.load_format=dummy: any engine starts without reading the checkpoint, SGLang with
+    # its own --load-format dummy, and the trainer syncs before the first generation
+    for backend, device in (("local", "cpu"), ("sglang", "cuda")):
+        dummy, _ = load_config(demo, [f"model.path={model}", f"rollout.backend={backend}",
+                                      "rollout.load_format=dummy"])
+        assert engines_start_without_weights(dummy)
+        argv = engine_command(engine_spec(dummy, tmp_path), rank=0, port=9, device=device)
+        assert argv[argv.index("--load-format") + 1] == "dummy", argv
 
 
 def test_engines_for_the_adapter_sync_start_with_lora_serving(tmp_path):

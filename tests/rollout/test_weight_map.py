@@ -88,3 +88,39 @@ def test_dropped_weights_wait_for_every_view_and_come_back_exactly(tmp_path, tie
     assert backed.weight_map.unwritten() == []
     with torch.no_grad():
         assert torch.equal(backed.model(ids).logits, before)
+
+
+def test_a_dummy_start_reads_no_checkpoint_and_waits_for_every_weight(tmp_path):
+    """``load_format="dummy"`` (SGLang's ``--load-format dummy``, ``rollout.load_format``)
+    builds the model from config.json alone: it starts with the safetensors gone, every
+    checkpoint view is unwritten (so ``/generate`` is refused, saying why), and once a weight
+    update has written the checkpoint the model computes what one loaded from disk does, bit
+    for bit."""
+    import shutil
+
+    from megarl.rollout.local.model_runner import ModelRunner
+    from megarl.rollout.local.weights import unusable_weights
+
+    path = make_tiny_model(tmp_path / "m", arch="qwen3_moe", with_tokenizer=False)
+    ids = torch.tensor([[5, 9, 30, 7]])
+    loaded = ModelRunner(path)
+    with torch.no_grad():
+        expected = loaded.model(ids).logits
+    checkpoint = list(iter_safetensors(path))
+    bare = tmp_path / "config_only"
+    bare.mkdir()
+    shutil.copy(path / "config.json", bare / "config.json")
+    runner = ModelRunner(bare, load_format="dummy")
+    weights = runner.weight_map
+    assert weights.checkpoint_names() == loaded.weight_map.checkpoint_names()
+    assert len(weights.unwritten()) == len(checkpoint)
+    why = unusable_weights(set(), weights)
+    assert "--load-format dummy" in why and f"{len(checkpoint)} tensors" in why, why
+    with torch.no_grad():
+        assert not torch.allclose(runner.model(ids).logits, expected)  # random, not the model
+    weights.load_many(checkpoint)
+    assert weights.unwritten() == []
+    with torch.no_grad():
+        assert torch.equal(runner.model(ids).logits, expected)
+    with pytest.raises(ValueError, match="load_format='safetensors'"):
+        ModelRunner(path, load_format="safetensors")

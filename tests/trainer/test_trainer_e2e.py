@@ -7,6 +7,7 @@ import math
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from trainer_runs import first_and_last_fifth, fit
@@ -53,18 +54,22 @@ def test_three_steps_sync_weights_report_every_metric_and_penalise_kl(assets, tm
     """Three steps with ``algorithm.use_kl_in_reward`` (adaptive): after every sync each tensor
     on the engine equals the trainer's export, every metric is there and finite; the reference
     forward runs before the advantages and the penalty is logged, and after the first update
-    the policy has moved, so the KL is > 0 and the adaptive controller moves the coefficient."""
+    the policy has moved, so the KL is > 0 and the adaptive controller moves the coefficient.
+    The engine starts with ``rollout.load_format=dummy`` (random weights, no checkpoint read):
+    the trainer's first sync gives it the actor's, so step 1 already scores as the actor does."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     trainer = make_trainer(assets, tmp_path / "run", "trainer.total_steps=3",
                            "data.train_batch_size=8", "rollout.n=4",
                            "actor.ppo_mini_batch_size=4", "trainer.val_every=1",
                            "algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive",
-                           "algorithm.kl_ctrl.kl_coef=0.1",
+                           "algorithm.kl_ctrl.kl_coef=0.1", "rollout.load_format=dummy",
                            f"ray.timeline_file={tmp_path / 'timeline.json'}")
     history = []
     try:
         trainer.setup()
         assert trainer.cfg.ref.enabled
+        for url in trainer.workers.client.urls:
+            assert httpx.get(url + "/get_server_info").json()["load_format"] == "dummy"
         for step in range(1, 4):
             metrics = trainer.step(trainer.loader.next_batch())
             history.append(metrics)

@@ -42,6 +42,11 @@ from megarl.rollout.local.weights import WeightMap
 
 logger = logging.getLogger(__name__)
 Backend = Literal["auto", "hf", "native"]
+LOAD_FORMATS = ("auto", "dummy")
+"""SGLang's ``--load-format`` values the engine takes: ``auto`` reads the checkpoint's
+safetensors; ``dummy`` builds the model from its config.json alone (random weights, no read of
+the checkpoint: seconds instead of minutes for a large MoE) and refuses ``/generate`` until a
+weight update has written every tensor (``rollout.load_format``: the trainer syncs first)."""
 
 
 def _router_class(model: nn.Module) -> type[nn.Module] | None:
@@ -155,7 +160,7 @@ class ModelRunner:
                  context_length: int | None = None, backend: Backend = "auto",
                  cuda_graphs: bool = True, trust_remote_code: bool = False,
                  quantization: str | None = None, enable_lora: bool = False,
-                 weights_cpu_backup: bool = True) -> None:
+                 weights_cpu_backup: bool = True, load_format: str = "auto") -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -164,8 +169,16 @@ class ModelRunner:
         self.device = torch.device(device)
         config = AutoConfig.from_pretrained(self.model_path, trust_remote_code=trust_remote_code)
         self.dtype = _resolve_dtype(dtype, config, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=self.dtype, trust_remote_code=trust_remote_code)
+        if load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={load_format!r}: choose one of {LOAD_FORMATS}")
+        self.load_format = load_format
+        if load_format == "dummy":  # built on the device, random; the first weight update fills it
+            with torch.device(self.device):
+                self.model = AutoModelForCausalLM.from_config(
+                    config, dtype=self.dtype, trust_remote_code=trust_remote_code)
+        else:
+            self.model = AutoModelForCausalLM.from_pretrained(
+                self.model_path, dtype=self.dtype, trust_remote_code=trust_remote_code)
         self.model.to(self.device).eval()
         if quantization not in (None, "fp8"):
             raise ValueError(f"quantization={quantization!r}: the embedded engine runs fp8 or "
@@ -191,6 +204,9 @@ class ModelRunner:
         self.weights_cpu_backup = weights_cpu_backup
         """What :meth:`offload` does by default: keep the weights in host memory, or drop them."""
         self._dropped: list[tuple[nn.Parameter, torch.Size]] = []
+        if load_format == "dummy":  # /generate is refused until a weight update wrote them all
+            self.weight_map.drop(self.model.parameters(), reason=(
+                "the engine started with --load-format dummy (random weights)"))
 
     def _make_native(self, backend: Backend, cuda_graphs: bool) -> NativeDecoder | None:
         if backend not in ("auto", "hf", "native"):

@@ -51,7 +51,7 @@ from megarl.rollout.local.kv_cache import kv_slots
 from megarl.rollout.local.launch import API_KEY_ENV, is_loopback_host
 from megarl.rollout.local.lora_endpoints import NOT_ENABLED, add_lora_routes
 from megarl.rollout.local.lora_serving import AdapterError
-from megarl.rollout.local.model_runner import ModelRunner
+from megarl.rollout.local.model_runner import LOAD_FORMATS, ModelRunner
 from megarl.rollout.local.protocol import (
     BadRequest,
     Limits,
@@ -98,8 +98,7 @@ def _generation_failed(engine: LocalEngine, err: BaseException) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=500)
 
 
-def _resume_out_of_memory(engine: LocalEngine, tags: list[str], err: BaseException
-                          ) -> JSONResponse:
+def _resume_out_of_memory(engine: LocalEngine, tags: list[str], err: BaseException) -> JSONResponse:
     """The answer to a resume that found no room on the device: 500, SGLang's error body, and
     a one-line message with the bytes asked, the bytes free and who holds the rest."""
     asked = engine.runner.weight_bytes() if "weights" in tags else 0
@@ -448,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (/load_lora_adapter*, lora_path in /generate); "
                         "decodes through the HF modules")
+    p.add_argument("--load-format", choices=LOAD_FORMATS, default="auto",
+                   help="dummy: random weights, no checkpoint read; /generate waits for a sync")
     p.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="released weights wait in host memory (else dropped: a weight update "
                         "must rewrite them before /generate runs again)")
@@ -490,7 +491,8 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
                          context_length=args.context_length,
                          trust_remote_code=args.trust_remote_code,
                          quantization=args.quantization, enable_lora=args.enable_lora,
-                         weights_cpu_backup=args.enable_weights_cpu_backup)
+                         weights_cpu_backup=args.enable_weights_cpu_backup,
+                         load_format=args.load_format)
     budget = kv_token_budget(args, runner, free_before_load)
     engine = LocalEngine(runner, max_running_requests=args.max_running_requests,
                          max_prefill_tokens=args.max_prefill_tokens,

@@ -52,6 +52,11 @@ def _strided_spec(index: torch.Tensor, probe: torch.Tensor
     return size, tuple(strides), offset
 
 
+DROPPED = ("the weights were released without --enable-weights-cpu-backup (dropped; start the "
+           "server with it to keep them in host memory)")
+"""Why a released model's weights are unwritten (:meth:`WeightMap.drop`)."""
+
+
 class WeightMap:
     """Checkpoint name -> writable view of a live parameter, for one model."""
 
@@ -76,6 +81,8 @@ class WeightMap:
                                      "supported by the embedded engine")
                 self._specs[ckpt_name] = (name, *spec)
         self._add_expert_scales()
+        self.unwritten_reason = DROPPED
+        """How the unwritten weights lost their values (the last :meth:`drop`)."""
         self._unwritten: dict[tuple, str] = {}
         """The views of dropped parameters not written since (:meth:`drop`): (live tensor's id,
         size, stride, offset) -> a checkpoint name of it (tied names share one view)."""
@@ -137,10 +144,12 @@ class WeightMap:
             for key in [k for k in self._unwritten if k[0] == live]:
                 del self._unwritten[key]
 
-    def drop(self, tensors: Iterable[torch.Tensor]) -> None:
+    def drop(self, tensors: Iterable[torch.Tensor], reason: str = DROPPED) -> None:
         """``tensors`` (live parameters) lost their values (a release of the weights without
-        a CPU backup): each checkpoint name that writes into them is unwritten until a load
-        writes it (or, by the parameter's own name, the whole tensor)."""
+        a CPU backup; ``reason`` says how, for :func:`unusable_weights`): each checkpoint name
+        that writes into them is unwritten until a load writes it (or, by the parameter's own
+        name, the whole tensor)."""
+        self.unwritten_reason = reason
         dropped = {id(t) for t in tensors}
         for name in self._specs:
             key = self._key(name)
@@ -175,10 +184,9 @@ def unusable_weights(released: set[str], weights: WeightMap) -> str:
         return ("weights are released (/release_memory_occupation); call "
                 "/resume_memory_occupation first")
     missing = weights.unwritten()
-    return (f"the weights were released without --enable-weights-cpu-backup (dropped) and "
-            f"{len(missing)} tensors have not been written since, e.g. {missing[:3]}: send them "
-            "with /update_weights_from_tensor, _distributed or _disk first, or start the "
-            "server with --enable-weights-cpu-backup")
+    return (f"{weights.unwritten_reason}, and {len(missing)} tensors have not been written "
+            f"since, e.g. {missing[:3]}: send them with /update_weights_from_tensor, "
+            "_distributed or _disk first")
 
 
 def iter_safetensors(model_dir: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
