@@ -45,8 +45,8 @@ Backend = Literal["auto", "hf", "native"]
 LOAD_FORMATS = ("auto", "dummy")
 """SGLang's ``--load-format`` values the engine takes: ``auto`` reads the checkpoint's
 safetensors; ``dummy`` builds the model from its config.json alone (random weights, no read of
-the checkpoint: seconds instead of minutes for a large MoE) and refuses ``/generate`` until a
-weight update has written every tensor (``rollout.load_format``: the trainer syncs first)."""
+the checkpoint) and refuses ``/generate`` until a weight update has written every tensor
+(``rollout.load_format``: the trainer syncs first)."""
 
 
 def _router_class(model: nn.Module) -> type[nn.Module] | None:
@@ -171,7 +171,6 @@ class ModelRunner:
         self.dtype = _resolve_dtype(dtype, config, self.device)
         if load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format={load_format!r}: choose one of {LOAD_FORMATS}")
-        self.load_format = load_format
         if load_format == "dummy":  # built on the device, random; the first weight update fills it
             with torch.device(self.device):
                 self.model = AutoModelForCausalLM.from_config(
