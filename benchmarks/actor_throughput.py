@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megarl.data.tiny_model import tiny_config_dict
+from megarl.data.tiny_model import make_tiny_model
 
 # HF config overrides per shape: arch plus tiny_config_dict fields.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -126,20 +126,10 @@ def train_flops_per_token(cfg: Any, seq_len: int) -> float:
 
 def write_hf_model(root: Path, shape: dict[str, Any], device: str, dtype: torch.dtype) -> Path:
     """A random HF checkpoint of ``shape`` (initialised on ``device``) saved under ``root``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     overrides = dict(shape)
-    cfg_dict = tiny_config_dict(overrides.pop("arch"), **overrides)
-    cfg_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
-    config = AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(root, safe_serialization=True)
-    del model
-    if torch.cuda.is_available():  # a device preflight after this must see the memory free
-        gc.collect()
-        torch.cuda.empty_cache()
+    make_tiny_model(root, overrides.pop("arch"), with_tokenizer=False, dtype=dtype,
+                    device=device, **overrides)
+    gc.collect()  # a device preflight after this must see the memory free
     return root
 
 

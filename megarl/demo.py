@@ -9,6 +9,10 @@ engine in separate Ray pools, GRPO, weights streamed to the engine after every s
 (8 layers, 16 experts, top-2) learning the harder ``copy_number`` task under ``outputs/moe-gpu/``
 with ``configs/moe-gpu-demo.yaml``: the actor and the embedded engine share the GPU (colocated),
 the engine releases its memory while the actor trains, and weights move over CUDA IPC.
+``megarl demo --device cuda --lora`` runs LoRA where a full fine-tune cannot fit: a random
+10B-parameter Qwen3-MoE with Qwen3-30B-A3B's layers (16 of its 48) trains on ``copy_number``
+through rank-32 adapters on the attention with ``configs/moe-lora-gpu-demo.yaml`` under
+``outputs/moe-lora-gpu/``; its model is drawn on the GPU in bf16.
 ``megarl demo --tools`` runs the multi-turn tools demo on CPU: the CPU demo's tiny model, first
 warm-started on tool-call demonstrations (:mod:`megarl.data.warm_start`, a stand-in for an
 instruct model), learns to call a calculator for ``tool_multiply`` with
@@ -42,6 +46,10 @@ class DemoSpec:
     """Overrides of the tiny model's config (``make_tiny_model``)."""
     arch: str = "qwen3_moe"
     """The tiny model's architecture (``make_tiny_model``)."""
+    dtype: str = "float32"
+    """The model's weights and ``torch_dtype``."""
+    build_device: str = "cpu"
+    """Where the model's random weights are drawn (``make_tiny_model``'s ``device``)."""
     train_rows: int = 2048
     warm_start_steps: int = 0
     """Supervised steps on tool-call demonstrations before RL (:mod:`megarl.data.warm_start`);
@@ -62,6 +70,17 @@ DEMOS = {
     # uniform: entropy 4.5 of ln 128 = 4.85), at 0.2 the random model is already peaked
     "lora": DemoSpec(Path("outputs/tiny-dense-lora"), CONFIGS / "tiny-dense-lora-cpu.yaml",
                      "copy_digit", {"initializer_range": 0.1}, arch="qwen3"),
+    # Qwen3-30B-A3B's layers (hidden 2048, 32 query / 4 KV heads, 128 experts, top-8) at 16 of
+    # its 48 layers: 10.0B parameters, 20 GB in bf16. Its full fine-tune's update needs ~180 GB
+    # (fp32 grads, main weights and Adam), more than one H200; rank-32 adapters on the attention
+    # need ~0.1 GB more than the frozen base. Drawn on the GPU in bf16 (fp32 on the host: 40 GB)
+    "cuda-lora": DemoSpec(Path("outputs/moe-lora-gpu"), CONFIGS / "moe-lora-gpu-demo.yaml",
+                          "copy_number", {
+        "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+        "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+        "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+        "max_position_embeddings": 4096}, dtype="bfloat16", build_device="cuda",
+        train_rows=8192),
 }
 # the warm start's demonstrations: this fraction calls the calculator, the rest guess
 WARM_START_CALL_FRACTION = 0.3
@@ -73,6 +92,8 @@ TASK = DEMOS["cpu"].task
 def prepare_demo_assets(root: Path = DEMO_ROOT, seed: int = 0,
                         spec: DemoSpec = DEMOS["cpu"]) -> tuple[Path, Path, Path]:
     """Write the demo's model and train/val data (once); returns their paths."""
+    import torch
+
     from megarl.data.synthetic import write_synthetic_dataset
     from megarl.data.tiny_model import make_tiny_model
 
@@ -82,7 +103,8 @@ def prepare_demo_assets(root: Path = DEMO_ROOT, seed: int = 0,
     if not (model / "config.json").exists():
         building = model.with_name(model.name + ".building")  # never a half-made model
         shutil.rmtree(building, ignore_errors=True)
-        make_tiny_model(building, arch=spec.arch, seed=seed, **spec.model)
+        make_tiny_model(building, arch=spec.arch, seed=seed, dtype=getattr(torch, spec.dtype),
+                        device=spec.build_device, **spec.model)
         if spec.warm_start_steps:
             warm_start(building, spec.task, spec.warm_start_steps, seed)
         building.rename(model)
@@ -107,25 +129,36 @@ def warm_start(model: Path, task: str, steps: int, seed: int) -> None:
     sft(model, examples, steps=steps, seed=seed)
 
 
-def demo_main(argv: list[str]) -> int:
-    """Prepare the demo's model and data, then train on them."""
+def parse_demo(argv: list[str]) -> tuple[DemoSpec, list[str]]:
+    """The demo that ``megarl demo``'s arguments choose, and the config overrides they carry."""
     parser = argparse.ArgumentParser(prog="megarl demo", description=__doc__.split("\n")[0])
-    parser.add_argument("--device", choices=sorted(DEMOS), default="cpu",
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
                         help="cpu: the tiny CPU demo; cuda: the one-GPU colocated demo")
     parser.add_argument("--tools", action="store_true",
                         help="the multi-turn tools demo on CPU (configs/tiny-moe-tools.yaml)")
     parser.add_argument("--lora", action="store_true",
-                        help="the CPU demo with LoRA adapters on a tiny dense model "
-                             "(configs/tiny-dense-lora-cpu.yaml)")
+                        help="LoRA: on CPU, adapters on a tiny dense model "
+                             "(configs/tiny-dense-lora-cpu.yaml); with --device cuda, on a "
+                             "10B MoE whose full fine-tune does not fit one H200 "
+                             "(configs/moe-lora-gpu-demo.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="a.b.c=value",
                         help="overrides of the demo's config (e.g. trainer.total_steps=5)")
     args = parser.parse_args(argv)
-    if (args.tools or args.lora) and args.device != "cpu":
-        parser.error("--tools / --lora: these demos run on CPU only (leave out --device)")
+    if args.tools and args.device != "cpu":
+        parser.error("--tools: this demo runs on CPU only (leave out --device)")
     if args.tools and args.lora:
         parser.error("--tools and --lora: choose one demo")
-    spec = DEMOS["tools" if args.tools else "lora" if args.lora else args.device]
+    if args.tools:
+        return DEMOS["tools"], args.overrides
+    if args.lora:
+        return DEMOS["lora" if args.device == "cpu" else "cuda-lora"], args.overrides
+    return DEMOS[args.device], args.overrides
+
+
+def demo_main(argv: list[str]) -> int:
+    """Prepare the demo's model and data, then train on them."""
+    spec, overrides = parse_demo(argv)
     prepare_demo_assets(spec.root, spec=spec)
     from megarl.trainer import train_main
 
-    return train_main(["--config", str(spec.config), *args.overrides])
+    return train_main(["--config", str(spec.config), *overrides])

@@ -143,24 +143,34 @@ def make_tiny_model(
     arch: Arch = "qwen3_moe",
     seed: int = 0,
     with_tokenizer: bool = True,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
     **overrides: Any,
 ) -> Path:
-    """Write a tiny random HF model (config, safetensors weights, tokenizer) to ``path``.
+    """Write a random HF model (config, safetensors weights, tokenizer) to ``path``.
 
     ``overrides`` replace fields of :func:`tiny_config_dict` (e.g. ``num_hidden_layers=4``).
-    Returns the directory. The same ``seed`` and arguments give bit-identical weights.
+    ``dtype`` is the weights' (and config.json's ``torch_dtype``); ``device`` is where they are
+    drawn: a model of billions of parameters is drawn on a GPU in seconds, not on the host in
+    fp32. Returns the directory. The same ``seed`` and arguments on the same device give
+    bit-identical weights.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     cfg_dict = tiny_config_dict(arch, **overrides)
+    cfg_dict["torch_dtype"] = str(dtype).removeprefix("torch.")
     model_type = cfg_dict.pop("model_type")
     config = AutoConfig.for_model(model_type, **cfg_dict)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     _randomize_buffers(model)
     model.save_pretrained(path, safe_serialization=True)
+    del model
+    if torch.device(device).type == "cuda":  # whatever runs next on the GPU sees it free
+        torch.cuda.empty_cache()
     if with_tokenizer:
         build_tokenizer(config.vocab_size).save_pretrained(path)
     # generation_config defaults would otherwise differ between transformers versions

@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
 # model and data made by `megarl demo`
 DEMOS = {"tiny-moe-cpu.yaml", "moe-gpu-demo.yaml", "tiny-moe-tools.yaml",
-         "tiny-dense-lora-cpu.yaml"}
+         "tiny-dense-lora-cpu.yaml", "moe-lora-gpu-demo.yaml"}
 SIZED = [p for p in SHIPPED if p.name not in DEMOS]
 CARDS = sorted(p for p in (REPO / "configs" / "models").iterdir() if p.is_dir())
 PLACEHOLDER_RULES = {"check_model_weights", "check_data_files"}
@@ -32,7 +32,8 @@ def card_of(path: Path) -> str:
 
 
 def test_the_shipped_set():
-    assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "moe-gpu-demo", "qwen3-0.6b",
+    assert [p.stem for p in SHIPPED] == ["deepseek-v3-671b", "moe-gpu-demo", "moe-lora-gpu-demo",
+                                         "qwen3-0.6b",
                                          "qwen3-235b-a22b", "qwen3-30b-a3b-32k",
                                          "qwen3-30b-a3b-lora-1gpu", "qwen3-30b-a3b", "qwen3-8b",
                                          "tiny-dense-lora-cpu", "tiny-moe-cpu", "tiny-moe-tools"]
@@ -113,6 +114,65 @@ def test_the_one_gpu_lora_config_fits_where_the_full_fine_tune_cannot(monkeypatc
     warned = [p for p in validate_config(full, allow_missing_files=True)
               if p.rule == "check_memory_fits"]
     assert warned and "in the update" in warned[0].line()
+
+
+def test_the_gpu_lora_demo_trains_a_model_whose_full_fine_tune_does_not_fit_an_h200(
+        tmp_path, monkeypatch):
+    """`megarl demo --device cuda --lora`: its model (config.json of the demo's spec, the
+    weights are drawn on the GPU) has Qwen3-30B-A3B's layers at 10.0B parameters; with LoRA every
+    phase fits 141 GB, without adapters the update needs more (fp32 grads, main weights, Adam:
+    18 bytes a parameter over the 20 GB of bf16 weights)."""
+    from megarl.config.estimates import GB, estimate, phase_estimates
+    from megarl.config.model_info import load_model_info
+    from megarl.config.validate import build_context
+    from megarl.data.tiny_model import tiny_config_dict
+    from megarl.demo import DEMOS, parse_demo
+
+    spec, overrides = parse_demo(["--device", "cuda", "--lora", "trainer.total_steps=3"])
+    assert spec is DEMOS["cuda-lora"] and overrides == ["trainer.total_steps=3"]
+    assert spec.config == REPO / "configs" / "moe-lora-gpu-demo.yaml"
+    assert (spec.dtype, spec.build_device, spec.task) == ("bfloat16", "cuda", "copy_number")
+    card = tmp_path / "model"
+    card.mkdir()
+    fields = tiny_config_dict(spec.arch, **spec.model)
+    (card / "config.json").write_text(json.dumps({**fields, "torch_dtype": spec.dtype}))
+    info = load_model_info(card)
+    assert (info.hidden_size, info.num_layers, info.num_experts) == (2048, 16, 128)
+    # by hand: per layer q/k/v/o 2048x(4096+512+512) + 4096x2048, 128 experts of 3 x 2048x768,
+    # the router 2048x128; plus the embeddings and the output layer (128 x 2048 each)
+    per_layer = 2048 * 5120 + 4096 * 2048 + 128 * 3 * 2048 * 768 + 2048 * 128
+    params = 16 * per_layer + 2 * 128 * 2048
+    assert abs(params / 1e9 - 10.0) < 0.1
+    monkeypatch.chdir(REPO)
+    at_141 = [f"model.path={card}", "resources.gpu_memory_gb=141"]
+    lora, _ = load_config(spec.config, at_141)
+    assert (lora.actor.lora.rank, lora.actor.lora.sync) == (32, "merged")
+    ctx = build_context(lora)
+    phases = phase_estimates(estimate(lora, ctx.model, ctx.sizes))
+    assert max(phases.values()) < 141 * GB, {k: v / GB for k, v in phases.items()}
+    assert phases["update_actor"] < 2 * params * 1.5  # the bf16 base and little else
+    full, _ = load_config(spec.config, [*at_141, "actor.lora.rank=0"])
+    ctx = build_context(full)
+    update = estimate(full, ctx.model, ctx.sizes).update
+    assert update.total > 18 * params > 141 * GB
+    warned = [p for p in validate_config(full, allow_missing_files=True)
+              if p.rule == "check_memory_fits"]
+    assert warned and "in the update" in warned[0].line()
+    assert not [p for p in validate_config(lora, allow_missing_files=True)
+                if p.rule == "check_memory_fits"]
+
+
+def test_demo_arguments_choose_the_demo():
+    from megarl.demo import DEMOS, parse_demo
+
+    assert parse_demo([])[0] is DEMOS["cpu"]
+    assert parse_demo(["--device", "cuda"])[0] is DEMOS["cuda"]
+    assert parse_demo(["--lora"])[0] is DEMOS["lora"]
+    assert parse_demo(["--tools", "trainer.total_steps=2"]) == (DEMOS["tools"],
+                                                                 ["trainer.total_steps=2"])
+    for bad in (["--tools", "--device", "cuda"], ["--tools", "--lora"], ["--device", "lora"]):
+        with pytest.raises(SystemExit):
+            parse_demo(bad)
 
 
 def test_gpu_demo_config_validates_before_the_demo_ran(monkeypatch, capsys):
