@@ -255,6 +255,17 @@ def check_lora(ctx: Context) -> Iterator[Problem]:
                     "never sends them the base, so they could never generate",
                     "set rollout.load_format=auto (and rollout.quantization=null on SGLang) or "
                     "actor.lora.sync=merged")
+    if (lora.sync == "merged" and cfg.rollout.dtype not in (None, "float32")
+            and cfg.algorithm.rollout_correction.rollout_is is None):
+        yield warning(("actor.lora.sync", "rollout.dtype",
+                       "algorithm.rollout_correction.rollout_is"),
+                      f"the merged sync sends W + alpha/r * B A rounded to {cfg.rollout.dtype}: "
+                      "while the adapters' change is small against the base's rounding step, "
+                      "much of it is lost there and the engine samples from another policy "
+                      "(the GPU LoRA demo: training/rollout_probs_diff_mean up to 0.077, 0.002 "
+                      "with the adapter sync; docs/lora.md)",
+                      "set actor.lora.sync=adapter (the engine adds the adapters to the base "
+                      "itself) or algorithm.rollout_correction.rollout_is=token")
     if lora.sync == "adapter" and cfg.model.mcore_checkpoint:
         yield error(("actor.lora.sync", "model.mcore_checkpoint"), "the adapter sync sends "
                     "only the adapters, so the engines keep model.path as their base, while the "

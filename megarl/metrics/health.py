@@ -203,7 +203,9 @@ def default_alarms(t: HealthThresholds) -> list[ThresholdAlarm | SuddenChangeAla
             t.rollout_probs_diff_max, above=True,
             normal=f"< {t.rollout_probs_diff_max:g} ({t.rollout_precision}), ~0 in fp32",
             knob="engine and trainer log-probs disagree: check the weight sync, router replay "
-                 "for MoE (R2/R3) and rollout dtype; set algorithm.rollout_correction.rollout_is"),
+                 "for MoE (R2/R3), rollout dtype and, with LoRA in bf16, actor.lora.sync=adapter "
+                 "(a merged sync rounds the adapters' change away); set "
+                 "algorithm.rollout_correction.rollout_is"),
     ]
 
 

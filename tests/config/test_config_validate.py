@@ -445,10 +445,29 @@ def test_overlapping_schedules_on_one_colocated_gpu_are_refused_with_the_reason(
 def test_lora_on_the_default_targets_is_clean(checker):
     """LoRA with the default targets (every attention layer of the all-MoE Qwen3-30B-A3B: the
     dense-MLP targets are left out where no layer has them) validates; so does an exclusion
-    that names a real layer."""
-    assert [p.line() for p in checker.problems("actor.lora.rank=8")] == []
+    that names a real layer. Here the merged sync (the default) is in bf16: clean with rollout
+    correction on or with the adapter sync, otherwise warned about (the next test)."""
+    corrected = "algorithm.rollout_correction.rollout_is=token"
+    assert [p.line() for p in checker.problems("actor.lora.rank=8", corrected)] == []
     assert [p.line() for p in checker.problems(
-        "actor.lora.rank=8", "actor.lora.exclude_modules=[layers.0.*]")] == []
+        "actor.lora.rank=8", "actor.lora.exclude_modules=[layers.0.*]", corrected)] == []
+    assert [p.line() for p in checker.problems("actor.lora.rank=8", "actor.lora.sync=adapter")
+            ] == []
+
+
+def test_the_merged_sync_in_bf16_without_rollout_correction_is_warned_about(checker):
+    """W + alpha/r * B A rounded to bf16 loses the adapters' early change (docs/lora.md): a
+    warning naming the three fields, not an error."""
+    problems = checker.problems("actor.lora.rank=8")
+    assert [p.rule for p in problems] == ["check_lora"]
+    assert not problems[0].is_error
+    line = problems[0].line()
+    for field in ("actor.lora.sync", "rollout.dtype", "algorithm.rollout_correction.rollout_is"):
+        assert field in line
+    assert "rounded to bfloat16" in line
+    fp16 = checker.find("check_lora", "actor.lora.rank=8", "rollout.dtype=float16")
+    assert "rounded to float16" in fp16.line()
+    assert checker.problems("actor.lora.rank=8", "model.dtype=float32") == []
 
 
 def test_fp8_engines_that_fit_sglangs_blocks_pass(checker):
@@ -477,8 +496,9 @@ def test_the_adapter_sync_refuses_a_base_the_engines_do_not_have(checker):
     assert "model.mcore_checkpoint" in problem.fields and "actor.lora.sync=merged" in problem.line()
     assert not [p for p in checker.problems(*lora, allow_missing_files=True)
                 if p.rule == "check_lora"]
+    corrected = "algorithm.rollout_correction.rollout_is=token"  # else the bf16 merge warns
     assert not [p for p in checker.problems("actor.lora.rank=8",
-                                            "model.mcore_checkpoint=/ckpt/run",
+                                            "model.mcore_checkpoint=/ckpt/run", corrected,
                                             allow_missing_files=True)
                 if p.rule == "check_lora"]
     # nor engines that start from dummy weights: the adapter sync never sends them a base
@@ -488,5 +508,5 @@ def test_the_adapter_sync_refuses_a_base_the_engines_do_not_have(checker):
                                allow_missing_files=True)
         assert "rollout.load_format" in problem.fields and "never sends" in problem.line()
     assert not [p for p in checker.problems("actor.lora.rank=8", "rollout.load_format=dummy",
-                                            allow_missing_files=True)
+                                            corrected, allow_missing_files=True)
                 if p.rule == "check_lora"]

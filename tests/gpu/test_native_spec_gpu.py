@@ -69,6 +69,44 @@ def test_triton_kernels_match_the_torch_path_values_and_gradients():
     assert rel_error(ours, ref) < 1e-2
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_grouped_expert_gemm_in_bf16_keeps_no_stacked_copy_and_matches_fp32(frozen):
+    """The experts' grouped GEMM on CUDA (torch._grouped_mm, bf16): the forward keeps no stacked
+    copy of the expert weights for backward (peak memory of forward + backward at most one
+    stacked copy above the inputs, outputs and gradients), and values and gradients are the fp32
+    expert-by-expert product's within bf16 rounding."""
+    from megarl.megatron.native_modules import grouped_linear
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    experts, out_f, in_f = 32, 768, 2048
+    splits = torch.randint(0, 48, (experts,), generator=g, device="cuda")
+    splits[3] = 0  # an expert that no row chose
+    rows = int(splits.sum())
+    ws = [(torch.randn(out_f, in_f, device="cuda", generator=g) * 0.02).bfloat16()
+          .requires_grad_(not frozen) for _ in range(experts)]
+    x = torch.randn(rows, in_f, device="cuda", generator=g).bfloat16().requires_grad_()
+    grad = torch.randn(rows, out_f, device="cuda", generator=g).bfloat16()
+    stacked_bytes = experts * out_f * in_f * 2
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = grouped_linear(x, ws, splits)
+    kept = torch.cuda.memory_allocated() - base  # what the forward left: the output, no copy
+    assert kept < out.numel() * 2 + 2**20, kept
+    got = torch.autograd.grad(out, [x, *([] if frozen else ws)], grad)
+    peak = torch.cuda.max_memory_allocated() - base
+    grads = sum(t.numel() * 2 for t in got)
+    assert peak < stacked_bytes + grads + out.numel() * 4 + 2**24, (peak, stacked_bytes)
+    x32 = x.detach().float().requires_grad_()
+    w32 = [w.detach().float().requires_grad_(not frozen) for w in ws]
+    pieces = x32.split(splits.tolist())
+    ref = torch.cat([p @ w.T for p, w in zip(pieces, w32)])
+    want = torch.autograd.grad(ref, [x32, *([] if frozen else w32)], grad.float())
+    assert rel_error(out, ref) < 1e-2
+    for a, b in zip(got, want):
+        assert rel_error(a, b) < 1e-2
+
+
 def test_fused_rms_norm_close_to_hf_formula():
     from megarl.megatron.native_ops import rms_norm
 

@@ -42,6 +42,40 @@ def test_grouped_linear_values_and_gradients(in_f, out_f, splits):
         torch.testing.assert_close(w.grad, w2.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("frozen", [False, True])
+def test_grouped_linear_keeps_no_stacked_copy_of_the_experts_for_backward(frozen):
+    """What a forward leaves for backward is the input, the offsets and the expert weights
+    themselves: never a stacked [E, out, in] copy (kept by every layer until its backward, that
+    was a second copy of all the expert weights in an update without recompute). Frozen experts
+    (LoRA's base) still pass the input's gradient, equal to the naive one."""
+    from megarl.megatron.native_modules import grouped_linear
+
+    g = torch.Generator().manual_seed(0)
+    splits = [5, 0, 9, 2]
+    x = torch.randn(sum(splits), 32, generator=g, requires_grad=True)
+    ws = [torch.randn(64, 32, generator=g, requires_grad=not frozen) for _ in splits]
+    owned = {w.untyped_storage().data_ptr() for w in ws}
+    kept: list[torch.Tensor] = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in owned:
+            kept.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = grouped_linear(x, ws, torch.tensor(splits))
+    assert sum(t.untyped_storage().nbytes() for t in kept) <= x.numel() * 4 + 64
+    grad = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, [x, *(ws if not frozen else [])], grad)
+    x2 = x.detach().clone().requires_grad_()
+    ws2 = [w.detach().clone().requires_grad_(not frozen) for w in ws]
+    want = torch.autograd.grad(naive_experts(x2, ws2, splits), [x2, *(ws2 if not frozen else [])],
+                               grad)
+    assert len(got) == len(want) == (1 if frozen else 1 + len(ws))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def naive_causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d) + causal mask) v for [heads, s, d], kv heads repeated."""
     rep = q.shape[0] // k.shape[0]
