@@ -343,7 +343,10 @@ class _GroupedMM(torch.autograd.Function):
             grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offs)
         grad_weights: list[torch.Tensor | None] = [None] * len(weights)
         if any(ctx.needs_input_grad[2:]):  # x_e^T g_e for each expert's rows: [E, in, out]
-            per_expert = torch._grouped_mm(x.t(), grad, offs=offs).unbind(0)
+            per_expert = torch._grouped_mm(x.t(), grad, offs=offs)
+            # an expert no row chose has a zero gradient, whatever the kernel leaves there
+            rows = torch.diff(offs, prepend=offs.new_zeros(1))
+            per_expert = per_expert.masked_fill_((rows == 0)[:, None, None], 0).unbind(0)
             grad_weights = [g.t() if need else None
                             for g, need in zip(per_expert, ctx.needs_input_grad[2:])]
         return grad_x, None, *grad_weights
