@@ -320,27 +320,42 @@ def grouped_linear(
     return torch.cat([F.linear(c, w) for c, w in zip(chunks, weights)], dim=0)
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread right now (as when a
+    reentrant activation checkpoint recomputes its forward)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
 class _GroupedMM(torch.autograd.Function):
     """``torch._grouped_mm`` over the experts' own weight tensors, stacked into ``[E, out, in]``
     only while a GEMM runs. Through autograd the stacked copy (every local expert's weights) was
     kept from each layer's forward to its backward: without recompute, a second copy of all the
     expert weights in the update (19 GB of the GPU LoRA demo's 45 GB peak). Its backward stacks
     again, one layer at a time, and returns each expert's gradient as a view of one grouped
-    GEMM's output, as torch's own backward of ``_grouped_mm`` computes them."""
+    GEMM's output, as torch's own backward of ``_grouped_mm`` computes them. A forward that a
+    full recompute re-runs inside the backward keeps its stacked copy: this layer's backward
+    follows at once, so the copy lives no longer and the second stack is saved."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, offs: torch.Tensor,
                 *weights: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(x, offs, *weights)  # the parameters themselves: no copy
-        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offs)
+        stacked = torch.stack(weights)
+        keep = _in_backward()  # a recompute's forward (megatron's checkpoint is reentrant)
+        # the parameters themselves (no copy), and the stacked copy only where it dies soon
+        ctx.save_for_backward(x, offs, stacked if keep else None, *weights)
+        return torch._grouped_mm(x, stacked.transpose(1, 2), offs=offs)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, offs, *weights = ctx.saved_tensors
+        x, offs, stacked, *weights = ctx.saved_tensors
         grad = grad.contiguous()  # the grouped GEMM needs a dense gradient (not an expand())
         grad_x = None
         if ctx.needs_input_grad[0]:  # [M, out] x [E, out, in] -> [M, in]
-            grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offs)
+            if stacked is None:
+                stacked = torch.stack(weights)
+            grad_x = torch._grouped_mm(grad, stacked, offs=offs)
+        del stacked
         grad_weights: list[torch.Tensor | None] = [None] * len(weights)
         if any(ctx.needs_input_grad[2:]):  # x_e^T g_e for each expert's rows: [E, in, out]
             per_expert = torch._grouped_mm(x.t(), grad, offs=offs)

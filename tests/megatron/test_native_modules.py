@@ -76,6 +76,40 @@ def test_grouped_linear_keeps_no_stacked_copy_of_the_experts_for_backward(frozen
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_grouped_linear_under_a_recompute_keeps_its_stack_for_the_backward_that_follows():
+    """Under a reentrant activation checkpoint (megatron's full recompute) the forward runs again
+    inside the backward; that forward keeps its stacked weights (this layer's backward follows
+    at once, so they live no longer) instead of stacking them a second time. Gradients equal
+    the naive ones either way."""
+    from torch.utils.checkpoint import checkpoint
+
+    from megarl.megatron.native_modules import grouped_linear
+
+    g = torch.Generator().manual_seed(1)
+    splits = [3, 6, 0, 7]
+    x = torch.randn(sum(splits), 32, generator=g, requires_grad=True)
+    ws = [torch.randn(64, 32, generator=g, requires_grad=True) for _ in splits]
+    shapes: list[tuple[int, ...]] = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = checkpoint(lambda a: grouped_linear(a, ws, torch.tensor(splits)), x,
+                         use_reentrant=True)
+        assert (len(splits), 64, 32) not in shapes  # the first forward keeps nothing
+        grad = torch.randn(out.shape, generator=g)
+        out.backward(grad)  # a reentrant checkpoint takes no torch.autograd.grad
+    assert (len(splits), 64, 32) in shapes  # the recompute kept its stack
+    got = [x.grad, *(w.grad for w in ws)]
+    x2 = x.detach().clone().requires_grad_()
+    ws2 = [w.detach().clone().requires_grad_() for w in ws]
+    want = torch.autograd.grad(naive_experts(x2, ws2, splits), [x2, *ws2], grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def naive_causal_attention(q, k, v):
     """softmax(q k^T / sqrt(d) + causal mask) v for [heads, s, d], kv heads repeated."""
     rep = q.shape[0] // k.shape[0]
