@@ -121,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.png:
         plot(runs, args.png, args.title)
     for label, r in runs.items():
-        print(f"{label}: step {r['step_s']:.2f} s, sync {r['sync_weights_s']:.2f} s "
-              f"({r['sync_bytes'] / 1e9:.3f} GB), update peak {r['update_peak_allocated_gb']:.1f}"
-              f" GB (estimate {r['update_estimate_gb']}), probs_diff max {r['probs_diff_max']}")
+        print(f"{label}: " + ", ".join(f"{key} {r[key]:.4g}" for key in (
+            "step_s", "sync_weights_s", "sync_bytes", "update_peak_allocated_gb",
+            "update_estimate_gb", "probs_diff_max") if r[key] is not None))
     return 0
 
 

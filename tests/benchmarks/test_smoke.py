@@ -106,3 +106,30 @@ def test_demo_summary_judges_learning_and_reports_the_mismatch(tmp_path):
     assert abs(diff["mean"] - 0.009) < 1e-12 and diff["worst"] == 0.02
     assert fp8["mismatch"]["rollout_corr/rollout_is_min"]["worst"] == 0.55
     assert "missing" in summary["none"]
+
+
+def test_lora_demo_summary_reads_the_log_and_the_metrics_beside_it(tmp_path):
+    """``lora_demo_summary.py`` on a demo log and its metrics written by hand: setup from the
+    start line, the update estimate from the memory lines, phases averaged over the steps after
+    the first, peaks and the mismatch over every step, a PNG."""
+    log = tmp_path / "lora_demo_merged.log"
+    log.write_text("megarl:   actor update    weights 18.6 GB + grads 34.0 MB = 26.0 GB\n"
+                   "megarl: started in actor 59.6 s, engines 110.6 s, weight sync setup 0.3 s\n")
+    rows = [{"step": i + 1, "timing/step": 7.0 if i == 0 else 1.0 + i / 10,
+             "timing/gen": 2.0 if i == 0 else 0.5, "checkpoint_engine/bytes": 2e9,
+             "perf/max_memory_allocated_gb/update_actor": 40.0 + i,
+             "training/rollout_probs_diff_mean": [0.001, 0.07, 0.002, 0.003, 0.0001][i],
+             "critic/score/mean": 0.1 * i, "actor/entropy": 4.0 - i} for i in range(5)]
+    (tmp_path / "lora_demo_merged_metrics.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in rows))
+    out, png = tmp_path / "s.json", tmp_path / "s.png"
+    assert load("lora_demo_summary").main(["--out", str(out), "--png", str(png),
+                                           f"merged={log}"]) == 0
+    r = json.loads(out.read_text())["merged"]
+    assert (r["setup_actor_s"], r["setup_engines_s"], r["update_estimate_gb"]) == (59.6, 110.6,
+                                                                                  26.0)
+    assert r["first_step_s"] == 7.0 and abs(r["step_s"] - 1.25) < 1e-12  # steps 2-5
+    assert r["gen_s"] == 0.5 and r["sync_bytes"] == 2e9 and r["old_log_prob_s"] is None
+    assert r["update_peak_allocated_gb"] == 44.0 and r["probs_diff_max"] == 0.07
+    assert (r["score_first_fifth"], r["score_last_fifth"]) == (0.0, 0.4)
+    assert png.stat().st_size > 10_000
