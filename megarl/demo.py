@@ -71,7 +71,7 @@ DEMOS = {
     "lora": DemoSpec(Path("outputs/tiny-dense-lora"), CONFIGS / "tiny-dense-lora-cpu.yaml",
                      "copy_digit", {"initializer_range": 0.1}, arch="qwen3"),
     # Qwen3-30B-A3B's layers (hidden 2048, 32 query / 4 KV heads, 128 experts, top-8) at 16 of
-    # its 48 layers: 10.0B parameters, 20 GB in bf16. Its full fine-tune's update needs ~180 GB
+    # its 48 layers: 10.0B parameters, 18.6 GB in bf16. Its full fine-tune's update needs ~174 GiB
     # (fp32 grads, main weights and Adam), more than one H200; rank-32 adapters on the attention
     # need ~0.1 GB more than the frozen base. Drawn on the GPU in bf16 (fp32 on the host: 40 GB)
     "cuda-lora": DemoSpec(Path("outputs/moe-lora-gpu"), CONFIGS / "moe-lora-gpu-demo.yaml",

@@ -151,7 +151,9 @@ class LoraConfig(Section):
         "the global layer index i, e.g. layers.0.self_attention.linear_qkv, layers.1.*, "
         "*.linear_proj; each must match a targeted layer"))
     sync: Literal["merged", "adapter"] = Field("merged", description=(
-        "what the weight sync sends: merged = W + alpha/r * B A under the HF names (any engine); "
+        "what the weight sync sends: merged = W + alpha/r * B A under the HF names (any engine; "
+        "in bf16 or fp16 the rounding loses much of the adapters' early change, so validation "
+        "warns unless algorithm.rollout_correction.rollout_is is set); "
         "adapter = only the adapters, in PEFT's names (the routed experts' one per expert, "
         "experts.{e}.gate_proj/up_proj/down_proj, as SGLang loads MoE adapters), through "
         "SGLang's /load_lora_adapter_from_tensors (a new name per version, the previous one "

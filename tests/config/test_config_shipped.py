@@ -121,7 +121,7 @@ def test_the_gpu_lora_demo_trains_a_model_whose_full_fine_tune_does_not_fit_an_h
     """`megarl demo --device cuda --lora`: its model (config.json of the demo's spec, the
     weights are drawn on the GPU) has Qwen3-30B-A3B's layers at 10.0B parameters; with LoRA every
     phase fits 141 GB, without adapters the update needs more (fp32 grads, main weights, Adam:
-    18 bytes a parameter over the 20 GB of bf16 weights)."""
+    18 bytes a parameter over the 18.6 GB (2^30 bytes) of bf16 weights)."""
     from megarl.config.estimates import GB, estimate, phase_estimates
     from megarl.config.model_info import load_model_info
     from megarl.config.validate import build_context
