@@ -331,7 +331,8 @@ class _GroupedMM(torch.autograd.Function):
     """``torch._grouped_mm`` over the experts' own weight tensors, stacked into ``[E, out, in]``
     only while a GEMM runs. Through autograd the stacked copy (every local expert's weights) was
     kept from each layer's forward to its backward: without recompute, a second copy of all the
-    expert weights in the update (19 GB of the GPU LoRA demo's 45 GB peak). Its backward stacks
+    expert weights in the update (the GPU LoRA demo's update peak fell from 44.7 to 30.3 GB
+    without it; benchmarks/RESULTS.md). Its backward stacks
     again, one layer at a time, and returns each expert's gradient as a view of one grouped
     GEMM's output, as torch's own backward of ``_grouped_mm`` computes them. A forward that a
     full recompute re-runs inside the backward keeps its stacked copy: this layer's backward
