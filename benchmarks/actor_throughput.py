@@ -19,7 +19,6 @@ token + causal attention) and MFU against the bf16 matmul rate measured in the s
 from __future__ import annotations
 
 import argparse
-import gc
 import itertools
 import json
 import socket
@@ -128,8 +127,7 @@ def write_hf_model(root: Path, shape: dict[str, Any], device: str, dtype: torch.
     """A random HF checkpoint of ``shape`` (initialised on ``device``) saved under ``root``."""
     overrides = dict(shape)
     make_tiny_model(root, overrides.pop("arch"), with_tokenizer=False, dtype=dtype,
-                    device=device, **overrides)
-    gc.collect()  # a device preflight after this must see the memory free
+                    device=device, **overrides)  # frees its GPU memory: a preflight comes next
     return root
 
 

@@ -16,48 +16,50 @@ import argparse
 import json
 import re
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.demo_summary import summarize as summarize_run
+
 PHASES = ("gen", "old_log_prob", "update_actor", "sync_weights", "release_rollout",
           "resume_rollout", "reward")
+PROBS_DIFF = "training/rollout_probs_diff_mean"
 
 
 def summarize(log: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """One run's figures: setup from the log's start line, phases as means over the steps after
-    the first (which compiles and captures), peaks and the mismatch over every step."""
+    the first (which compiles and captures); the reward, the mismatch and the memory peaks over
+    every step as ``demo_summary`` reads them."""
     started = re.search(r"started in actor ([\d.]+) s, engines ([\d.]+) s", log)
     estimate = re.search(r"actor update .*= ([\d.]+) GB", log)
     timed = rows[1:] or rows
+    run = summarize_run(rows)
+    peaks, mismatch = run["peak_memory_gb"], run["mismatch"].get(PROBS_DIFF, {})
 
-    def mean(key: str, over: list[dict[str, Any]] = timed) -> float | None:
-        values = [r[key] for r in over if key in r]
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in timed if key in r]
         return statistics.mean(values) if values else None
 
-    def peak(key: str) -> float | None:
-        values = [r[key] for r in rows if key in r]
-        return max(values) if values else None
-
-    fifth = max(1, len(rows) // 5)
-    scores = [r["critic/score/mean"] for r in rows]
     return {
-        "steps": len(rows),
+        "steps": run["steps"],
         "setup_actor_s": float(started.group(1)) if started else None,
         "setup_engines_s": float(started.group(2)) if started else None,
         "first_step_s": rows[0]["timing/step"],
         "step_s": mean("timing/step"),
         **{f"{phase}_s": mean(f"timing/{phase}") for phase in PHASES},
         "sync_bytes": mean("checkpoint_engine/bytes"),
-        "update_peak_allocated_gb": peak("perf/max_memory_allocated_gb/update_actor"),
+        "update_peak_allocated_gb": peaks.get("perf/max_memory_allocated_gb/update_actor"),
         "update_estimate_gb": float(estimate.group(1)) if estimate else None,
-        "sync_peak_allocated_gb": peak("perf/max_memory_allocated_gb/sync_weights"),
-        "old_log_prob_peak_allocated_gb": peak("perf/max_memory_allocated_gb/old_log_prob"),
-        "peak_device_used_gb": peak("perf/device_used_gb"),
-        "probs_diff_max": peak("training/rollout_probs_diff_mean"),
-        "probs_diff_mean": mean("training/rollout_probs_diff_mean", rows),
-        "probs_diff": [r.get("training/rollout_probs_diff_mean") for r in rows],
-        "score_first_fifth": statistics.mean(scores[:fifth]),
-        "score_last_fifth": statistics.mean(scores[-fifth:]),
+        "sync_peak_allocated_gb": peaks.get("perf/max_memory_allocated_gb/sync_weights"),
+        "old_log_prob_peak_allocated_gb": peaks.get("perf/max_memory_allocated_gb/old_log_prob"),
+        "probs_diff_max": mismatch.get("worst"),
+        "probs_diff_mean": mismatch.get("mean"),
+        "probs_diff": [r.get(PROBS_DIFF) for r in rows],
+        "score_first_fifth": run.get("reward_first_20pct"),
+        "score_last_fifth": run.get("reward_last_20pct"),
         "entropy_first": rows[0].get("actor/entropy"),
         "entropy_last": rows[-1].get("actor/entropy"),
     }
@@ -110,13 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", default="megarl demo --device cuda --lora")
     parser.add_argument("runs", nargs="+", metavar="LABEL=LOG")
     args = parser.parse_args(argv)
+    from megarl.metrics.trackers import read_metrics_jsonl
+
     runs = {}
     for item in args.runs:
         label, _, log = item.partition("=")
         log_path = Path(log)
         metrics = log_path.with_name(log_path.stem + "_metrics.jsonl")
-        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        runs[label] = summarize(log_path.read_text(), rows)
+        runs[label] = summarize(log_path.read_text(), read_metrics_jsonl(metrics))
     args.out.write_text(json.dumps(runs, indent=1) + "\n")
     if args.png:
         plot(runs, args.png, args.title)

@@ -255,7 +255,7 @@ def check_lora(ctx: Context) -> Iterator[Problem]:
                     "never sends them the base, so they could never generate",
                     "set rollout.load_format=auto (and rollout.quantization=null on SGLang) or "
                     "actor.lora.sync=merged")
-    if (lora.sync == "merged" and cfg.rollout.dtype not in (None, "float32")
+    if (lora.sync == "merged" and cfg.rollout.dtype != "float32"  # resolved: model.dtype
             and cfg.algorithm.rollout_correction.rollout_is is None):
         yield warning(("actor.lora.sync", "rollout.dtype",
                        "algorithm.rollout_correction.rollout_is"),

@@ -8,6 +8,7 @@ Tests and the demo cannot download anything, so they write their own model: an H
 
 from __future__ import annotations
 
+import gc
 import json
 import string
 from pathlib import Path
@@ -170,6 +171,7 @@ def make_tiny_model(
     model.save_pretrained(path, safe_serialization=True)
     del model
     if torch.device(device).type == "cuda":  # whatever runs next on the GPU sees it free
+        gc.collect()
         torch.cuda.empty_cache()
     if with_tokenizer:
         build_tokenizer(config.vocab_size).save_pretrained(path)
