@@ -28,10 +28,13 @@ demo: $(STAMP)
 	$(BYTECODE)
 	$(VENV)/bin/megarl demo
 
-# -X faulthandler: a crash of the test process prints every thread's stack
+# -X faulthandler: a crash of the test process prints every thread's stack. -n 2: two pytest-xdist
+# workers, each running whole units of tests/xdist_units.py, costliest first; TEST_WORKERS=0
+# runs the suite in this process alone.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BYTECODE)
-	$(PY) -X faulthandler -m pytest -q -x --durations=40 tests
+	$(PY) -X faulthandler -m pytest -q -x -n $(TEST_WORKERS) --durations=40 tests
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests

@@ -11,7 +11,8 @@ After every test the thread count, the default dtype and grad mode must be what 
 before: library code must leave its caller's process as it found it (STYLE.md), and a test that
 changes them must restore them.
 
-The session ends through :mod:`ray_exit` (Ray's leftover threads and the interpreter's exit).
+The session ends through :mod:`ray_exit` (Ray's leftover threads and the interpreter's exit);
+:mod:`xdist_units` shares the suite between ``pytest -n 2``'s workers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from collections.abc import Iterator
 import pytest
 import torch
 from ray_exit import pytest_sessionfinish, pytest_unconfigure  # noqa: F401 (hooks)
+from xdist_units import (  # noqa: F401 (hooks)
+    pytest_collection_modifyitems,
+    pytest_xdist_make_scheduler,
+)
 
 TEST_THREADS = 1
 
