@@ -14,7 +14,9 @@ goes through mbridge.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,15 +44,85 @@ def export_hf_weights(model: ActorModel) -> Iterator[tuple[str, torch.Tensor]]:
         yield from _chunk_tensors(bridge, unwrap_chunk(chunk))
 
 
+@dataclass
+class _Param:
+    """How one parameter (or ``expert_bias`` buffer) of a chunk becomes HF tensors."""
+
+    name: str
+    global_name: str
+    buffer: bool
+    layout: tuple = ()
+    """The parameter's (shape, stride) when recorded: the views hold while it is unchanged."""
+    views: list[tuple[str, tuple[int, ...], tuple[int, ...], int]] | None = None
+    """(HF name, size, stride, offset from the parameter's own) of each HF tensor, when every one
+    is a view of the parameter; None: mbridge computes them at every export."""
+
+
+_PLANS: weakref.WeakKeyDictionary[torch.nn.Module, list[_Param]] = weakref.WeakKeyDictionary()
+"""Per chunk, the :class:`_Param` of each parameter in export order, learnt on its first export."""
+
+
 def _chunk_tensors(bridge, module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """One chunk's parameters, then the router ``expert_bias`` buffers that megatron keeps out of
-    ``named_parameters`` (the keys mbridge adds from ``state_dict``), as HF tensors."""
+    ``named_parameters`` (the keys mbridge adds from ``state_dict``), as HF tensors.
+
+    mbridge's conversion (names, and splitting fused QKV and gate/up) costs tens of microseconds
+    of Python per parameter, thousands of times for an MoE model. The first export records which
+    HF tensors are views of their parameter (all but a split QKV: embeddings, norms, projections,
+    each expert's gate and up halves); later exports rebuild those views with ``as_strided`` and
+    call mbridge only for the rest."""
+    plan = _PLANS.get(module)
+    if plan is None:
+        plan = []
+        yield from _recorded(bridge, module, plan)
+        if all(not e.buffer or _has_buffer(module, e.name) for e in plan):
+            _PLANS[module] = plan
+        return
+    for entry in plan:
+        tensor = module.get_buffer(entry.name) if entry.buffer else module.get_parameter(
+            entry.name)
+        base = tensor.detach()
+        if entry.views is None or (base.shape, base.stride()) != entry.layout:
+            yield from zip(*bridge._weight_to_hf_format(entry.global_name, tensor))
+            continue
+        offset = base.storage_offset()
+        for name, size, stride, rel in entry.views:
+            yield name, base.as_strided(size, stride, offset + rel)
+
+
+def _recorded(bridge, module: torch.nn.Module, plan: list[_Param]
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Export through mbridge, appending each parameter's :class:`_Param` to ``plan``."""
     to_global = bridge._weight_name_mapping_mcore_local_to_global(module, consider_ep=False)
     seen = set()
-    for name, param in module.named_parameters():
-        seen.add(name)
-        yield from zip(*bridge._weight_to_hf_format(to_global[name], param))
+    sources = [(name, param, False) for name, param in module.named_parameters()]
+    seen.update(name for name, _, _ in sources)
     state = module.state_dict()
-    for name in state:
-        if "_extra_state" not in name and "expert_bias" in name and name not in seen:
-            yield from zip(*bridge._weight_to_hf_format(to_global[name], state[name]))
+    sources += [(name, state[name], True) for name in state
+                if "_extra_state" not in name and "expert_bias" in name and name not in seen]
+    for name, tensor, buffer in sources:
+        names, tensors = bridge._weight_to_hf_format(to_global[name], tensor)
+        base = tensor.detach()
+        entry = _Param(name, to_global[name], buffer, (base.shape, base.stride()), [])
+        for hf_name, hf_tensor in zip(names, tensors):
+            if not _is_view_of(hf_tensor, base):
+                entry.views = None
+            elif entry.views is not None:
+                entry.views.append((hf_name, tuple(hf_tensor.shape), hf_tensor.stride(),
+                                    hf_tensor.storage_offset() - base.storage_offset()))
+        plan.append(entry)
+        yield from zip(names, tensors)
+
+
+def _has_buffer(module: torch.nn.Module, name: str) -> bool:
+    try:
+        module.get_buffer(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def _is_view_of(tensor: torch.Tensor, base: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a view of ``base``'s memory in its dtype."""
+    return (tensor.dtype == base.dtype and tensor.device == base.device and base.numel() > 0
+            and tensor.untyped_storage().data_ptr() == base.untyped_storage().data_ptr())

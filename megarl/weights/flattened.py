@@ -105,6 +105,58 @@ def flatten_bucket(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     return flatten_into(buffer, named)
 
 
+ZERO_COPY_MIN_TENSORS = 8
+"""A storage sends its tensors as a view of itself when it holds at least this many of a
+bucket's tensors (or :data:`ZERO_COPY_MIN_BYTES`): one post per storage must pay for itself."""
+ZERO_COPY_MIN_BYTES = 64 << 20
+
+
+def zero_copy_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.device
+                     ) -> tuple[list[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
+    """Split a bucket into groups that :func:`view_payload` sends without a copy, and the rest
+    (in bucket order) to pack. A group is the contiguous tensors of one dtype on ``device``
+    that share one storage (a Megatron actor's parameters are views of DDP's contiguous
+    buffers), with :data:`ZERO_COPY_MIN_TENSORS` or :data:`ZERO_COPY_MIN_BYTES` of them; off
+    CUDA, where the bytes between the tensors travel inline, a group must also fill at least
+    half of the span it covers."""
+    by_storage: dict[tuple[int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in named:
+        if tensor.device.type == device.type and tensor.is_contiguous() and tensor.numel():
+            key = (tensor.untyped_storage().data_ptr(), tensor.dtype)
+            by_storage.setdefault(key, []).append((name, tensor))
+    groups, grouped = [], set()
+    for group in by_storage.values():
+        nbytes = sum(t.numel() * t.element_size() for _, t in group)
+        if len(group) < ZERO_COPY_MIN_TENSORS and nbytes < ZERO_COPY_MIN_BYTES:
+            continue
+        if device.type != "cuda" and 2 * nbytes < _span(group)[1] - _span(group)[0]:
+            continue
+        groups.append(group)
+        grouped.update(name for name, _ in group)
+    return groups, [(name, t) for name, t in named if name not in grouped]
+
+
+def _span(group: Sequence[tuple[str, torch.Tensor]]) -> tuple[int, int]:
+    """First and last byte (exclusive) of ``group``'s tensors in their storage."""
+    ends = [(t.storage_offset() * t.element_size(),
+             (t.storage_offset() + t.numel()) * t.element_size()) for _, t in group]
+    return min(e[0] for e in ends), max(e[1] for e in ends)
+
+
+def view_payload(group: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """The ``flattened_bucket`` payload of tensors that share one storage, without a copy: the
+    flat tensor is a uint8 view of the storage from the group's first byte to its last, and each
+    record's ``start_idx`` is its tensor's place in it (SGLang's reader slices by the records
+    only, so the bytes between the tensors are never read)."""
+    first, end = _span(group)
+    sample = group[0][1]
+    flat = torch.empty(0, dtype=torch.uint8, device=sample.device)
+    flat.set_(sample.untyped_storage(), first, (end - first,), (1,))
+    metadata = [tensor_meta(name, t, t.storage_offset() * t.element_size() - first)
+                for name, t in group]
+    return {"flattened_tensor": flat, "metadata": metadata}
+
+
 def unflatten(payload: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """Named views of a flattened bucket (dict metadata records are accepted too)."""
     def get(obj: Any, key: str) -> Any:

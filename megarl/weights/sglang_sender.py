@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 
 from megarl.weights.buckets import dtype_name, parse_dtype
-from megarl.weights.flattened import FLATTENED_BUCKET, flatten_into, serialize
+from megarl.weights.flattened import (
+    FLATTENED_BUCKET,
+    flatten_into,
+    flattened_size,
+    serialize,
+    view_payload,
+    zero_copy_groups,
+)
 from megarl.weights.fp8 import (
     FP8_DTYPE,
     is_quantized_shape,
@@ -181,7 +188,8 @@ class ColocatedSender:
     """Sends buckets to the engine whose GPUs this train rank shares (see the module doc)."""
 
     def __init__(self, rank: int, world_size: int, urls: Sequence[str], gpus_per_engine: int,
-                 api_key: str | None = None, timeout_s: float = 600.0) -> None:
+                 api_key: str | None = None, timeout_s: float = 600.0,
+                 zero_copy: bool = True) -> None:
         if world_size != len(urls) * gpus_per_engine:
             raise ValueError(f"colocated weight sync: {world_size} train ranks but {len(urls)} "
                              f"engines x {gpus_per_engine} GPUs each; with rollout.colocate every "
@@ -192,9 +200,12 @@ class ColocatedSender:
         self.group = self._engine_groups(world_size, gpus_per_engine)
         self.size = gpus_per_engine
         self.leader = self.engine * gpus_per_engine
+        self.zero_copy = zero_copy
         self.seconds: dict[str, float] = {}
         """Where the last :meth:`send` spent its time: ``pack`` (export, cast, copy into the
         bucket, serialize, gather) and ``engine`` (waiting for the engine's replies)."""
+        self.posts: dict[str, int] = {}
+        """How many posts the last :meth:`send` made of each kind (``zero_copy``, ``packed``)."""
         self._http = None
         if self.tp_rank == 0:
             import httpx
@@ -216,33 +227,47 @@ class ColocatedSender:
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
              device: torch.device, version: str) -> int:
-        """Send every bucket of ``plan``; the last one carries ``version``. Returns the bytes
-        this rank packed."""
-        buffers = [_bucket_buffer(plan, device) for _ in range(min(2, len(plan)))]
+        """Send every bucket of ``plan``; the last post carries ``version``. Returns the tensor
+        bytes this rank sent. A bucket goes as one post per :func:`zero_copy_groups` group (a
+        view of the actor's own memory) and one post of the rest, packed into a buffer."""
+        buffers: list[torch.Tensor | None] = [None, None]
         pending: _Post | None = None
-        sent = 0
+        sent = copies = 0
         self.seconds = {"pack": 0.0, "engine": 0.0}
+        self.posts = {"zero_copy": 0, "packed": 0}
         start = time.perf_counter()
         for index, bucket in enumerate(iter_buckets(named, plan)):
-            # buffers[index % 2] held bucket index-2, whose reply came before bucket index-1
-            # was posted: at most two buckets exist, one in flight and one being packed
-            payload = flatten_into(buffers[index % 2], bucket)
-            if device.type == "cuda":
-                torch.cuda.current_stream(device).synchronize()
-            entries = self._gather(serialize(payload))
-            sent += payload["flattened_tensor"].numel()
-            waited = time.perf_counter()
-            self.seconds["pack"] += waited - start
-            self._settle(pending)  # the engine loads buckets in order: one post at a time
-            start = time.perf_counter()
-            self.seconds["engine"] += start - waited
-            pending = None
-            if self._http is not None:
-                last = index == len(plan) - 1
-                body = {"serialized_named_tensors": entries, "load_format": FLATTENED_BUCKET,
-                        "flush_cache": last, "abort_all_requests": False,
-                        "weight_version": version if last else None}
-                pending = _Post(self._http, self.url, body)
+            groups, rest = (zero_copy_groups(bucket, device) if self.zero_copy and self.size == 1
+                            else ([], bucket))
+            payloads = [view_payload(group) for group in groups]
+            self.posts["zero_copy"] += len(payloads)
+            if rest:
+                # buffers[copies % 2] held the packed post before last, whose reply came before
+                # the last post went out: at most two packed buffers, one in flight
+                slot, need = copies % 2, flattened_size(rest)
+                if buffers[slot] is None or buffers[slot].numel() < need:
+                    buffers[slot] = None
+                    buffers[slot] = torch.empty(need, dtype=torch.uint8, device=device)
+                payloads.append(flatten_into(buffers[slot], rest))
+                copies += 1
+                self.posts["packed"] += 1
+            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            for number, payload in enumerate(payloads):
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+                entries = self._gather(serialize(payload))
+                waited = time.perf_counter()
+                self.seconds["pack"] += waited - start
+                self._settle(pending)  # the engine loads posts in order: one at a time
+                start = time.perf_counter()
+                self.seconds["engine"] += start - waited
+                pending = None
+                if self._http is not None:
+                    last = index == len(plan) - 1 and number == len(payloads) - 1
+                    body = {"serialized_named_tensors": entries,
+                            "load_format": FLATTENED_BUCKET, "flush_cache": last,
+                            "abort_all_requests": False, "weight_version": version if last else None}
+                    pending = _Post(self._http, self.url, body)
         waited = time.perf_counter()
         self.seconds["pack"] += waited - start
         self._settle(pending)

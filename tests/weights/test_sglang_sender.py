@@ -23,20 +23,42 @@ from megarl.rollout.local.weights import iter_safetensors
 from megarl.rollout.sglang.client import SGLangClient
 
 
+def one_buffer(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors as views of one contiguous buffer, laid out in reverse order as megatron's
+    DDP lays out parameters; every fifth matrix is stored transposed and handed out as a
+    non-contiguous view (a tensor the sender must pack)."""
+    buffer = torch.empty(sum(t.numel() for _, t in named), dtype=named[0][1].dtype)
+    out, end = {}, buffer.numel()
+    for index, (name, tensor) in reversed(list(enumerate(named))):
+        end -= tensor.numel()
+        piece = buffer[end:end + tensor.numel()]
+        if tensor.dim() == 2 and index % 5 == 0:
+            piece.view(tensor.shape[1], tensor.shape[0]).copy_(tensor.t())
+            out[name] = piece.view(tensor.shape[1], tensor.shape[0]).t()
+        else:
+            out[name] = piece.view(tensor.shape).copy_(tensor)
+    return [(name, out[name]) for name, _ in named]
+
+
 def send_on_rank(model_dir: str, urls: list[str], gpus_per_engine: int, scale: float,
-                 bucket_mb: float) -> int:
-    """Rank r sends model ``model_dir``'s tensors times ``scale ** r`` to its engine."""
+                 bucket_mb: float | None, in_one_buffer: bool = False) -> tuple[int, dict]:
+    """Rank r sends model ``model_dir``'s tensors times ``scale ** r`` to its engine (from one
+    shared buffer: ``in_one_buffer``; ``bucket_mb`` None: a third of the model)."""
     import torch.distributed as dist
 
     from megarl.weights.sglang_sender import ColocatedSender, plan_buckets
 
     rank = dist.get_rank()
     named = [(n, t * scale ** rank) for n, t in iter_safetensors(model_dir)]
+    if in_one_buffer:
+        named = one_buffer(named)
+    if bucket_mb is None:
+        bucket_mb = sum(t.numel() * t.element_size() for _, t in named) / 3 / 2**20
     plan = plan_buckets([(n, list(t.shape)) for n, t in named], "float32", bucket_mb)
     assert len(plan) >= 3  # several buckets, so two buffers take turns
     sender = ColocatedSender(rank, dist.get_world_size(), urls, gpus_per_engine)
     try:
-        return sender.send(iter(named), plan, torch.device("cpu"), "v7")
+        return sender.send(iter(named), plan, torch.device("cpu"), "v7"), sender.posts
     finally:
         sender.close()
 
@@ -72,14 +94,23 @@ def engine_tensors(url: str, names: list[str]) -> tuple[dict[str, torch.Tensor],
     return asyncio.run(read())
 
 
-@pytest.mark.parametrize("gpus_per_engine", [1, 2])
-def test_colocated_sender_feeds_each_engine_its_ranks_tensors(models, servers, gpus_per_engine):
+@pytest.mark.parametrize("gpus_per_engine,in_one_buffer", [(1, False), (2, False), (1, True),
+                                                            (2, True)])
+def test_colocated_sender_feeds_each_engine_its_ranks_tensors(models, servers, gpus_per_engine,
+                                                              in_one_buffer):
     _, b_dir = models
     urls = [s.url for s in servers][:2 // gpus_per_engine]
-    sent = run_on_ranks(2, send_on_rank, str(b_dir), urls, gpus_per_engine, 0.5, 0.002)
+    bucket_mb = None if in_one_buffer else 0.002
+    results = run_on_ranks(2, send_on_rank, str(b_dir), urls, gpus_per_engine, 0.5, bucket_mb,
+                           in_one_buffer)
     expected = list(iter_safetensors(b_dir))
     total = sum(t.numel() * 4 for _, t in expected)
-    assert sent == [total, total]
+    assert [sent for sent, _ in results] == [total, total]
+    for _, posts in results:
+        # tensors sharing one buffer go as views of it, the transposed ones packed beside;
+        # an engine of two TP ranks gets packed buckets only (the ranks' posts must match)
+        zero_copy = in_one_buffer and gpus_per_engine == 1
+        assert (posts["zero_copy"] >= 2) == zero_copy and posts["packed"] >= 3, posts
     for engine, url in enumerate(urls):
         # engine e is fed by rank e (one GPU each) or by rank 0 (entry 0 of two TP ranks)
         scale = 0.5 ** (engine if gpus_per_engine == 1 else 0)

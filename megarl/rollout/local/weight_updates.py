@@ -19,7 +19,6 @@ import torch.distributed as dist
 
 from megarl.rollout.local.engine import LocalEngine
 from megarl.rollout.local.weights import (
-    UnknownWeight,
     WeightsChecker,
     iter_safetensors,
 )
@@ -46,13 +45,7 @@ class WeightReceiver:
         return self.engine.call(fn).result()
 
     def _unknown(self, names: Sequence[str]) -> list[str]:
-        unknown = []
-        for name in names:
-            try:
-                self.weights.view(name)
-            except UnknownWeight:
-                unknown.append(name)
-        return unknown
+        return [name for name in names if not self.weights.knows(name)]
 
     def _apply(self, named: list[tuple[str, torch.Tensor]], weight_version: str | None,
                abort_all: bool = False) -> Outcome:

@@ -117,9 +117,12 @@ class WeightMap:
         raise UnknownWeight(f"weight {name!r} is not a checkpoint name or parameter of the "
                             f"model (e.g. {self.checkpoint_names()[:3]})")
 
-    @torch.no_grad()
-    def load(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy ``tensor`` into the weight called ``name`` (shapes must match)."""
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is a checkpoint name or a parameter of the model."""
+        return name in self._specs or name in self._live
+
+    def _target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The view ``tensor`` is written to, after checking that it can be."""
         target = self.view(name)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"weight {name}: got shape {tuple(tensor.shape)}, the model has "
@@ -128,6 +131,12 @@ class WeightMap:
             raise ValueError(f"weight {name}: the engine holds it in float8_e4m3fn "
                              f"(--quantization fp8) and got {tensor.dtype}; send FP8 weights "
                              "with their weight_scale_inv (rollout.quantization: fp8)")
+        return target
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy ``tensor`` into the weight called ``name`` (shapes must match)."""
+        target = self._target(name, tensor)
         target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         if self._unwritten:
             self._written(name)
@@ -168,13 +177,29 @@ class WeightMap:
                 seen.add(id(tensor))
                 yield name, tensor.data
 
+    @torch.no_grad()
     def load_many(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Load every (name, tensor); returns how many were loaded."""
-        count = 0
-        for name, tensor in named:
-            self.load(name, tensor)
-            count += 1
-        return count
+        """Load every (name, tensor); returns how many were loaded. Every tensor is checked
+        before any is written; those already in their weight's dtype and device are copied by
+        ``torch._foreach_copy_`` (a few launches for thousands of tensors: a sync's experts),
+        unless two names write the same memory (tied weights), which are loaded in order."""
+        named = list(named)
+        targets = [self._target(name, tensor) for name, tensor in named]
+        if len({(t.data_ptr(), t.shape, t.stride()) for t in targets}) < len(targets):
+            for name, tensor in named:
+                self.load(name, tensor)
+            return len(named)
+        same = [(t, s) for t, (_, s) in zip(targets, named)
+                if s.dtype == t.dtype and s.device == t.device]
+        for target, (_, tensor) in zip(targets, named):
+            if tensor.dtype != target.dtype or tensor.device != target.device:
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+        if same:
+            torch._foreach_copy_([t for t, _ in same], [s for _, s in same])
+        if self._unwritten:
+            for name, _ in named:
+                self._written(name)
+        return len(named)
 
 
 def unusable_weights(released: set[str], weights: WeightMap) -> str:
