@@ -68,13 +68,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="moe")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--quantization", choices=["fp8"], default=None)
+    p.add_argument("--baseline", action="store_true", help=(
+        "without decode_ops' packed GQA attention and grouped experts (the decoder before them)"))
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tag = f"{args.shape}_{args.rows}_{args.quantization or 'bf16'}"
+    if args.baseline:
+        from megarl.rollout.local import decode_ops
+
+        decode_ops.PACKED = False
+        tag += "_baseline"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp), args.shape, "cuda")
-        runner = ModelRunner(model_dir, device="cuda", dtype="bfloat16")
+        runner = ModelRunner(model_dir, device="cuda", dtype="bfloat16",
+                             quantization=args.quantization)
     native = runner.native
     assert native is not None, "the native decode path is not in use"
     prompts = make_prompts(args.rows, args.prompt_len, args.prompt_len, runner.vocab_size)
@@ -87,8 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     for _ in range(3):  # fast-path check, graph capture
         logits = runner.decode(tokens, False).logits
     graph = native._graphs[min(native._graphs)] if native._graphs else None
-    result: dict[str, float | str | bool] = {
+    result: dict[str, float | str | bool | None] = {
         "shape": args.shape, "rows": args.rows, "prompt_len": args.prompt_len,
+        "quantization": args.quantization, "baseline": args.baseline,
         "cuda_graphs": native.use_graphs, "fast_kernels": native.fast_kernels,
         "prefill_ms": prefill_ms,
     }
@@ -98,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
 
     fused = batch.fused if runner.fused_sampling else None
     result["fused_sampling"] = fused is not None
+    result["grouped_experts"] = native.grouped_experts
 
     def engine_step() -> None:
         nonlocal tokens
@@ -122,11 +134,11 @@ def main(argv: list[str] | None = None) -> int:
     result.update({f"eager_{k}": v for k, v in kernel_table(
         lambda: native._step(ids, positions, span,
                              None if fused is None else (fused.temperatures, fused.seeds)),
-        out / f"kernels_{args.shape}_step.txt").items()})
+        out / f"kernels_{tag}_step.txt").items()})
     result.update({f"sample_{k}": v for k, v in kernel_table(
-        lambda: sample_next(logits, batch, gen), out / f"kernels_{args.shape}_sample.txt").items()})
+        lambda: sample_next(logits, batch, gen), out / f"kernels_{tag}_sample.txt").items()})
     print(json.dumps(result, indent=1))
-    (out / f"decode_{args.shape}.json").write_text(json.dumps(result, indent=1))
+    (out / f"decode_{tag}.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

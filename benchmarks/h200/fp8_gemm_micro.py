@@ -7,9 +7,13 @@ one-launch Triton w8a8 linear (:func:`megarl.rollout.local.fp8_quant_triton.fp8_
 not used by the engine yet) under each of ``LINEAR_LAUNCHES``. ``--moe`` also times one expert layer of the
 e2e MoE slice (128 experts, hidden 2048, width 768, top-8): the FP8 grouped GEMMs
 (:mod:`megarl.rollout.local.fp8_moe_triton`) under each launch setting of ``MOE_LAUNCHES``
-against the bf16 all-experts GEMMs the native decoder runs at few rows. Writes JSON to ``--out``.
+against the bf16 paths of the same layer: the all-experts GEMMs the native decoder runs at few
+rows, transformers' ``grouped_mm`` experts (what it runs above ``ALL_EXPERTS_ROWS``) and the bf16
+Triton grouped GEMMs (:mod:`megarl.rollout.local.grouped_moe_triton`) under each of
+``BF16_LAUNCHES``. ``--moe-only`` skips the projections. Writes JSON to ``--out``.
 
     python benchmarks/h200/fp8_gemm_micro.py --moe --out /tmp/fp8_gemm_micro.json
+    python benchmarks/h200/fp8_gemm_micro.py --moe-only --rows 64 128 256 512 --out ...
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from megarl.rollout.local import fp8_moe_triton, fp8_quant_triton
+from megarl.rollout.local import fp8_moe_triton, fp8_quant_triton, grouped_moe_triton
 from megarl.rollout.local.fp8_layers import Fp8Experts, fp8_linear, gemm_backend
 from megarl.weights.fp8 import quantize_activations, quantize_blockwise
 
@@ -35,6 +39,8 @@ LINEAR_LAUNCHES = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 
 MOE = {"experts": 128, "hidden": 2048, "width": 768, "top_k": 8}
 MOE_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+BF16_LAUNCHES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
+                 for n in (64, 128) for k in (64, 128) for w in (4, 8) for st in (3, 4)]
 
 
 def _mean_us(run, repeats: int) -> float:
@@ -87,6 +93,23 @@ def sweep(settings: dict, launches: list[dict], fn) -> tuple[list[dict], dict | 
     return out, min(timed, key=lambda r: r["graph_us"], default=None)
 
 
+def _hf_grouped_mm_experts(gate_up: torch.Tensor, down: torch.Tensor, top_k: int):
+    """transformers' Qwen3-MoE expert block holding these weights, on its ``grouped_mm``
+    implementation (the engine's path above ``ALL_EXPERTS_ROWS`` rows)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    e, two_i, h = gate_up.shape
+    config = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=two_i // 2, num_experts=e,
+                            num_experts_per_tok=top_k)
+    config._experts_implementation = "grouped_mm"
+    experts = Qwen3MoeExperts(config).to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(gate_up)
+        experts.down_proj.copy_(down)
+    return lambda x, index, weights: experts(x, index, weights)
+
+
 def moe_rows(rows: list[int]) -> list[dict]:
     """One e2e MoE expert layer: bf16 all-experts GEMMs against the FP8 grouped GEMMs under
     each launch setting, replayed in CUDA graphs (us a layer)."""
@@ -99,6 +122,7 @@ def moe_rows(rows: list[int]) -> list[dict]:
     fp8 = Fp8Experts(block)
     up_bf16 = block.gate_up_proj.to(torch.bfloat16)
     down_bf16 = block.down_proj.to(torch.bfloat16)
+    hf_experts = _hf_grouped_mm_experts(up_bf16, down_bf16, top_k)
     default = dict(fp8_moe_triton.LAUNCH)
     out = []
     for m in rows:
@@ -114,12 +138,28 @@ def moe_rows(rows: list[int]) -> list[dict]:
 
         row = {"shape": "moe.experts", "m": m, "bf16_all_experts_graph_us":
                graph_us(bf16_all_experts)}
+        try:
+            row["bf16_grouped_mm_graph_us"] = graph_us(partial(hf_experts, x, index, weights))
+        except Exception as err:  # noqa: BLE001 - transformers' path did not capture
+            row["bf16_grouped_mm_graph_us"] = f"failed: {str(err).splitlines()[0][:160]}"
+        row["bf16_triton"], row["bf16_triton_best"] = sweep(
+            grouped_moe_triton.LAUNCH, BF16_LAUNCHES,
+            partial(grouped_moe_triton.grouped_moe, x, index, weights, up_bf16, down_bf16,
+                    F.silu))
+        row["bf16_triton_default_graph_us"] = graph_us(partial(
+            grouped_moe_triton.grouped_moe, x, index, weights, up_bf16, down_bf16, F.silu))
+        reference = hf_experts(x, index, weights).float()
+        got = grouped_moe_triton.grouped_moe(x, index, weights, up_bf16, down_bf16,
+                                             F.silu).float()
+        row["bf16_triton_max_rel_err"] = float((got - reference).abs().max()
+                                               / reference.abs().max())
         row["fp8_grouped"], row["fp8_best"] = sweep(
             fp8_moe_triton.LAUNCH, MOE_LAUNCHES, partial(fp8.fused, x, index, weights))
         row["fp8_default_graph_us"] = next(
             (r["graph_us"] for r in row["fp8_grouped"]
              if all(r[k] == v for k, v in default.items())), None)
-        print(json.dumps({k: v for k, v in row.items() if k != "fp8_grouped"}), flush=True)
+        print(json.dumps({k: v for k, v in row.items()
+                          if k not in ("fp8_grouped", "bf16_triton")}), flush=True)
         out.append(row)
     return out
 
@@ -129,9 +169,10 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", type=int, nargs="+", default=[64, 512])
     parser.add_argument("--moe", action="store_true", help="also the FP8 grouped expert GEMMs")
+    parser.add_argument("--moe-only", action="store_true", help="only the expert layer")
     args = parser.parse_args()
     rows_out = []
-    for name, n, k in SHAPES:
+    for name, n, k in [] if args.moe_only else SHAPES:
         weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         qweight, scale = quantize_blockwise(weight)
         for m in args.rows:
@@ -150,7 +191,7 @@ def main() -> None:
             rows_out.append(row)
     result = {"gemm_backend": gemm_backend("cuda"), "torch": torch.__version__,
               "device": torch.cuda.get_device_name(), "rows": rows_out,
-              "moe": moe_rows(args.rows) if args.moe else None}
+              "moe": moe_rows(args.rows) if args.moe or args.moe_only else None}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
     print("gemm backend:", result["gemm_backend"])

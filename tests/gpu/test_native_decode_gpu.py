@@ -19,10 +19,17 @@ def hf_next_logprobs(model, sequences: list[list[int]]) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
-def test_native_decode_matches_hf_forward(tmp_path, arch):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_moe_grouped"])
+def test_native_decode_matches_hf_forward(tmp_path, arch, monkeypatch):
+    """(``qwen3_moe_grouped``: every decode step through the grouped expert GEMMs, the path
+    above ALL_EXPERTS_ROWS rows; 4 query heads on 2 K/V heads: packed GQA attention.)"""
+    from megarl.rollout.local import static_kv
     from megarl.rollout.local.model_runner import ModelRunner
 
+    grouped = arch == "qwen3_moe_grouped"
+    arch = arch.removesuffix("_grouped")
+    if grouped:
+        monkeypatch.setattr(static_kv, "ALL_EXPERTS_ROWS", 0)
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, seed=0, head_dim=64,
                                 hidden_size=128, num_attention_heads=4, with_tokenizer=False)
     runner = ModelRunner(model_dir, device="cuda", dtype="bfloat16")
@@ -46,6 +53,8 @@ def test_native_decode_matches_hf_forward(tmp_path, arch):
         ref = hf_next_logprobs(runner.model, seqs)
         assert (torch.log_softmax(logits, -1) - ref).abs().max() < 0.1, step
     assert runner.native.flash, "FlashAttention decode failed its check against the fp32 path"
+    assert runner.native.group == 2
+    assert runner.native.grouped_experts == (arch == "qwen3_moe"), "grouped experts' probe"
 
 
 def test_decode_graphs_are_captured_again_after_the_kv_cache_grows(tmp_path):

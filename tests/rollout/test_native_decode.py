@@ -194,3 +194,99 @@ def test_fp8_projections_fuse_their_blocks_and_take_weight_updates(tmp_path):
                           with_tokenizer=False)
     odd_layer = ModelRunner(odd, backend="hf", quantization="fp8").model.model.layers[0]
     assert FusedLayer.of(odd_layer).qkv is None
+
+
+def _varlen_attention(q, keys, values, cu_q, used, scale):
+    """What a varlen attention kernel (FlashAttention's, not causal, ``seqused_k``) computes:
+    sequence i's queries ``q[cu_q[i]:cu_q[i+1]]`` over the first ``used[i]`` keys of row i,
+    head by head (as many query heads as K/V heads)."""
+    out = torch.empty_like(q)
+    for i in range(len(used)):
+        qs = q[cu_q[i]:cu_q[i + 1]]  # [m, heads, D]
+        k, v = keys[i, :used[i]], values[i, :used[i]]  # [t, heads, D]
+        probs = (torch.einsum("mhd,thd->hmt", qs, k) * scale).softmax(dim=-1)
+        out[cu_q[i]:cu_q[i + 1]] = torch.einsum("hmt,thd->mhd", probs, v)
+    return out
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (32, 4), (4, 4)])
+def test_gqa_packed_decode_attention_equals_per_head_attention(heads, kv_heads):
+    """Decode attention with each row's query heads of one K/V head packed as that row's
+    queries (what the native decoder hands FlashAttention) equals attention head by head with
+    HF's repeat_kv mapping (query head h reads K/V head h // group)."""
+    from megarl.rollout.local.decode_ops import gqa_pack, gqa_unpack
+
+    torch.manual_seed(0)
+    rows, dim, cap, group = 3, 16, 9, heads // kv_heads
+    used = [9, 4, 1]
+    q = torch.randn(rows, heads, dim, dtype=torch.float64)
+    keys = torch.randn(rows, cap, kv_heads, dim, dtype=torch.float64)
+    values = torch.randn(rows, cap, kv_heads, dim, dtype=torch.float64)
+    expected = torch.empty(rows, heads, dim, dtype=torch.float64)
+    for r in range(rows):
+        for h in range(heads):
+            k, v = keys[r, :used[r], h // group], values[r, :used[r], h // group]
+            expected[r, h] = (k @ q[r, h] * 0.25).softmax(dim=0) @ v
+    cu_q = [r * group for r in range(rows + 1)]
+    got = gqa_unpack(_varlen_attention(gqa_pack(q, kv_heads), keys, values, cu_q, used, 0.25),
+                     rows)
+    assert got.shape == (rows, heads * dim)
+    torch.testing.assert_close(got, expected.reshape(rows, -1), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_experts_equal_transformers_expert_block(dtype):
+    """The decoder's grouped expert GEMMs (above ALL_EXPERTS_ROWS rows) against transformers'
+    own Qwen3-MoE expert block in its eager loop, with experts that no row chose."""
+    import torch.nn.functional as F
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from megarl.rollout.local.decode_ops import grouped_experts
+
+    config = Qwen3MoeConfig(hidden_size=64, moe_intermediate_size=32, num_experts=16,
+                            num_experts_per_tok=3)
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    experts = Qwen3MoeExperts(config).to(dtype)
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 0.1)
+        experts.down_proj.normal_(0, 0.1)
+    x = torch.randn(11, 64, dtype=dtype)
+    index = torch.rand(11, 12).topk(3, dim=-1).indices  # experts 12-15 get no row
+    weights = torch.rand(11, 3).to(dtype)
+
+    def swiglu(t):
+        gate, up = t.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    got = grouped_experts(experts, x, index, weights, swiglu)
+    with torch.no_grad():
+        expected = experts(x, index, weights)
+    assert got.dtype == dtype and got.shape == expected.shape
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-6 if dtype == torch.float32
+                               else 2e-2 * float(expected.abs().max()))
+
+
+def test_grouped_experts_decode_equals_hf(model_dir, monkeypatch):
+    """The decoder's path above ALL_EXPERTS_ROWS rows (grouped expert GEMMs, probed on CUDA),
+    forced on the CPU: the same logits and routes as HF's model."""
+    from megarl.rollout.local import static_kv
+
+    native = ModelRunner(model_dir, backend="native")
+    if not native.native.moe:
+        pytest.skip("dense model")
+    monkeypatch.setattr(static_kv, "ALL_EXPERTS_ROWS", 0)
+    native.native.fast_kernels = native.native.grouped_experts = True
+    native.native._fast_checked = True
+    hf = ModelRunner(model_dir, backend="hf")
+    contexts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
+    for runner in (native, hf):
+        _, kv = runner.prefill(contexts, routes=False)
+        runner.append_rows(kv, [0, 1, 2])
+    tokens = [1, 2, 3]
+    for _ in range(3):
+        ours, ref = native.decode(tokens, routes=True), hf.decode(tokens, routes=True)
+        torch.testing.assert_close(ours.logits, ref.logits, atol=1e-5, rtol=0)
+        assert torch.equal(ours.routes, ref.routes)
+        tokens = ref.logits.argmax(-1).tolist()

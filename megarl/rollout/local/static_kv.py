@@ -28,6 +28,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from megarl.kernels import triton_kernels
+from megarl.rollout.local import decode_ops
+from megarl.rollout.local.decode_ops import (
+    gqa_pack,
+    gqa_unpack,
+    grouped_experts,
+    grouped_experts_match,
+)
 from megarl.rollout.local.fp8_layers import unquantized_activations
 from megarl.rollout.local.fused_projections import FusedLayer
 from megarl.rollout.local.kv_cache import StaticKVCache, row_bucket
@@ -136,6 +143,8 @@ class NativeDecoder:
         self.head_dim = int(attn.head_dim)
         self.scale = float(attn.scaling)
         self.kv_heads = int(cfg.num_key_value_heads)
+        self.group = int(cfg.num_attention_heads) // self.kv_heads
+        """Query heads per K/V head (GQA)."""
         weight = inner.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.moe = any(hasattr(layer.mlp, "experts") for layer in self.layers)
@@ -148,6 +157,9 @@ class NativeDecoder:
         self._kernels = triton_kernels() if self.device.type == "cuda" else None
         self.fast_kernels = self.device.type == "cuda"
         """Triton RoPE / SwiGLU and all-experts MoE decode (CUDA; checked on first decode)."""
+        self.grouped_experts = False
+        """Decode above ``ALL_EXPERTS_ROWS`` through :func:`.decode_ops.grouped_experts` (probed
+        with the fast kernels)."""
         self._graphs: dict[int, _Graph] = {}
         self._pool = None
         self.capture_failures = 0
@@ -286,6 +298,8 @@ class NativeDecoder:
             dense = torch.zeros(n, mlp.experts.num_experts, dtype=x.dtype, device=x.device)
             return h + self._all_experts(mlp.experts, x, dense.scatter_(1, experts,
                                                                          weights.to(x.dtype)))
+        if self.grouped_experts and self._dense_experts(mlp.experts):
+            return h + grouped_experts(mlp.experts, x, experts, weights, self._swiglu)
         return h + mlp.experts(x, experts, weights)
 
     def _fused_attention_input(self, index: int, attn: nn.Module, q: torch.Tensor,
@@ -325,15 +339,19 @@ class NativeDecoder:
     def _plain_silu(self) -> bool:
         return getattr(self.model.config, "hidden_act", None) == "silu"
 
+    def _dense_experts(self, experts: nn.Module) -> bool:
+        """Whether ``experts`` is transformers' fused SwiGLU expert block in the model's dtype
+        (not FP8, which has its own grouped GEMMs)."""
+        return (self.fast_kernels and hasattr(experts, "gate_up_proj")
+                and experts.gate_up_proj.dtype == self.dtype
+                and not getattr(experts, "is_transposed", False)
+                and not getattr(experts, "has_bias", False)
+                and getattr(self.model.config, "hidden_act", None) == "silu")
+
     def _all_experts_ok(self, experts: nn.Module, rows: int) -> bool:
         """Whether a decode step runs every expert on every row (few rows: the same weight
         bytes as routing, a handful of kernels instead of a sort and a grouped GEMM)."""
-        return (self.fast_kernels and hasattr(experts, "gate_up_proj")
-                and experts.gate_up_proj.dtype == self.dtype  # not FP8 (its own grouped GEMMs)
-                and not getattr(experts, "is_transposed", False)
-                and not getattr(experts, "has_bias", False)
-                and getattr(self.model.config, "hidden_act", None) == "silu"
-                and rows * experts.num_experts <= ALL_EXPERTS_ROWS)
+        return self._dense_experts(experts) and rows * experts.num_experts <= ALL_EXPERTS_ROWS
 
     def _all_experts(self, experts: nn.Module, x: torch.Tensor,
                      dense: torch.Tensor) -> torch.Tensor:
@@ -404,6 +422,13 @@ class NativeDecoder:
         if k is not None:  # (None: the fused attention-input kernel wrote them)
             kc[step["slots"], positions] = k
             vc[step["slots"], positions] = v
+        if self.flash and decode_ops.PACKED:  # a row's query heads of a K/V head: its queries
+            out = torch.ops.aten._flash_attention_forward(
+                gqa_pack(q, self.kv_heads), kc.view(-1, *kc.shape[2:]),
+                vc.view(-1, *vc.shape[2:]), step["cu_q_group"], step["cu_k"], self.group,
+                self.cache.len_cap, 0.0, False, False, scale=self.scale,
+                seqused_k=step["used"])[0]
+            return gqa_unpack(out, rows)
         if self.flash:
             out = torch.ops.aten._flash_attention_forward(
                 q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), step["cu_q"],
@@ -428,7 +453,7 @@ class NativeDecoder:
         rows = tokens.shape[0]
         cu_q = torch.arange(rows + 1, device=self.device, dtype=torch.int32)
         step = {"positions": positions, "slots": torch.arange(rows, device=self.device),
-                "cu_q": cu_q, "cu_k": cu_q * self.cache.len_cap,
+                "cu_q": cu_q, "cu_q_group": cu_q * self.group, "cu_k": cu_q * self.cache.len_cap,
                 "used": (positions + 1).to(torch.int32)}
         routes: list[torch.Tensor] = []
         for index in range(len(self.layers)):
@@ -492,6 +517,10 @@ class NativeDecoder:
         error = float((fast - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
         ok = error < 0.05
         self.flash, self.fast_kernels = flash and ok, ok
+        if self.moe and ok:
+            layer = next(lay for lay in self.layers if hasattr(lay.mlp, "experts"))
+            self.grouped_experts = self._dense_experts(layer.mlp.experts) and \
+                grouped_experts_match(layer.mlp, self._swiglu)
         logger.info("fast decode kernels vs reference: relative max error %.2e (%s)", error,
                     "using them" if ok else "using the reference path")
         if picks is not None:  # greedy picks and log-probs of the fused sampler vs torch

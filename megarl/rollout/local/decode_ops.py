@@ -1,0 +1,90 @@
+"""Torch-level pieces of the native decoder's decode step on CUDA (:mod:`.static_kv`).
+
+- :func:`gqa_pack` / :func:`gqa_unpack`: decode attention reads each row's K/V once per K/V
+  head. FlashAttention's varlen kernel, given one query per row and all query heads, runs one
+  block per (row, query head) and reads the row's K/V once per *query* head; Qwen3-30B-A3B has
+  eight query heads per K/V head, so eight times the bytes that bound the step. Handing it each
+  row's query heads of one K/V head as that row's queries (no causal mask between them: they sit
+  at one position) gives the same result from one read.
+- :func:`grouped_experts`: the chosen experts of each row at batch sizes where running every
+  expert on every row costs more than routing (above ``ALL_EXPERTS_ROWS``): two
+  ``torch._grouped_mm`` over the (row, expert) pairs sorted by expert. transformers'
+  ``grouped_mm`` experts compute the same in about twice the kernels (masks, casts, a histogram
+  per call); :func:`grouped_experts_match` checks the two agree before the decoder uses it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+PACKED = True
+"""Use these paths (``benchmarks/profile_decode.py --baseline`` turns them off to time the
+decoder without them on the same machine)."""
+
+
+def gqa_pack(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Decode queries ``[rows, heads, D]`` as ``[rows * group, kv_heads, D]``: row r's query
+    heads that share K/V head h (HF's ``repeat_kv``: heads ``h * group`` to
+    ``(h + 1) * group - 1``) become r's ``group`` queries of head h."""
+    rows, heads, dim = q.shape
+    group = heads // kv_heads
+    return q.view(rows, kv_heads, group, dim).transpose(1, 2).reshape(rows * group, kv_heads, dim)
+
+
+def gqa_unpack(out: torch.Tensor, rows: int) -> torch.Tensor:
+    """The attention output of :func:`gqa_pack`'s queries as ``[rows, heads * D]``."""
+    total, kv_heads, dim = out.shape
+    group = total // rows
+    return out.view(rows, group, kv_heads, dim).transpose(1, 2).reshape(rows, -1)
+
+
+def grouped_experts(experts: nn.Module, x: torch.Tensor, index: torch.Tensor,
+                    weights: torch.Tensor, swiglu: Callable[[torch.Tensor], torch.Tensor]
+                    ) -> torch.Tensor:
+    """transformers' fused SwiGLU expert block (``gate_up_proj [E, 2I, H]``, ``down_proj
+    [E, H, I]``) on ``x [n, H]`` with each row's chosen experts ``index [n, k]`` and router
+    weights ``[n, k]``. Shapes depend on ``n`` and ``k`` only, so a CUDA graph captures it."""
+    n, top_k = index.shape
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(experts.num_experts, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    pairs = x.index_select(0, order // top_k)
+    gate_up = torch._grouped_mm(pairs, experts.gate_up_proj.transpose(1, 2), offs=offs)
+    out = torch._grouped_mm(swiglu(gate_up), experts.down_proj.transpose(1, 2), offs=offs)
+    out = out * weights.reshape(-1).index_select(0, order)[:, None].to(out.dtype)
+    return torch.empty_like(out).index_copy_(0, order, out).view(n, top_k, -1).sum(dim=1)
+
+
+def grouped_experts_match(mlp: nn.Module, swiglu: Callable[[torch.Tensor], torch.Tensor],
+                          rows: int = 96) -> bool:
+    """Whether :func:`grouped_experts` runs on this device and matches ``mlp.experts`` (within
+    2% of the largest output) on random rows and routes; eager, before any graph capture."""
+    experts = mlp.experts
+    weight = experts.gate_up_proj
+    if not PACKED or not hasattr(torch, "_grouped_mm") or weight.device.type != "cuda":
+        return False
+    gen = torch.Generator(device=weight.device).manual_seed(0)
+    top_k = int(getattr(mlp.gate, "top_k", 2))
+    x = torch.randn(rows, weight.shape[-1], device=weight.device, dtype=weight.dtype,
+                    generator=gen)
+    index = torch.rand(rows, experts.num_experts, device=weight.device,
+                       generator=gen).topk(top_k, dim=-1).indices
+    weights = torch.rand(rows, top_k, device=weight.device, generator=gen).to(weight.dtype)
+    try:
+        got = grouped_experts(experts, x, index, weights, swiglu).float()
+    except (RuntimeError, TypeError) as err:
+        logger.warning("grouped expert GEMMs failed (%s); decoding through transformers' "
+                       "experts", err)
+        return False
+    ref = experts(x, index, weights).float()
+    error = float((got - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
+    logger.info("grouped expert GEMMs vs transformers' experts: relative max error %.2e", error)
+    return error < 0.02
