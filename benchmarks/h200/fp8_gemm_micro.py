@@ -8,9 +8,11 @@ not used by the engine yet) under each of ``LINEAR_LAUNCHES``. ``--moe`` also ti
 e2e MoE slice (128 experts, hidden 2048, width 768, top-8): the FP8 grouped GEMMs
 (:mod:`megarl.rollout.local.fp8_moe_triton`) under each launch setting of ``MOE_LAUNCHES``
 against the bf16 paths of the same layer: the all-experts GEMMs the native decoder runs at few
-rows, transformers' ``grouped_mm`` experts (what it runs above ``ALL_EXPERTS_ROWS``) and the bf16
-Triton grouped GEMMs (:mod:`megarl.rollout.local.grouped_moe_triton`) under each of
-``BF16_LAUNCHES``. ``--moe-only`` skips the projections. Writes JSON to ``--out``.
+rows and transformers' ``grouped_mm`` experts (what it ran above ``ALL_EXPERTS_ROWS`` until
+:func:`megarl.rollout.local.decode_ops.grouped_experts`). ``--moe-only`` skips the projections.
+Writes JSON to ``--out``. (A bf16 Triton grouped GEMM on the FP8 kernel's plan measured 504-695
+us a layer on an H100 against 483-684 for the faster of these two, and was dropped:
+benchmarks/RESULTS.md.)
 
     python benchmarks/h200/fp8_gemm_micro.py --moe --out /tmp/fp8_gemm_micro.json
     python benchmarks/h200/fp8_gemm_micro.py --moe-only --rows 64 128 256 512 --out ...
@@ -26,7 +28,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from megarl.rollout.local import fp8_moe_triton, fp8_quant_triton, grouped_moe_triton
+from megarl.rollout.local import fp8_moe_triton, fp8_quant_triton
 from megarl.rollout.local.fp8_layers import Fp8Experts, fp8_linear, gemm_backend
 from megarl.weights.fp8 import quantize_activations, quantize_blockwise
 
@@ -39,8 +41,6 @@ LINEAR_LAUNCHES = [{"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": 4, "num_stages": 
 MOE = {"experts": 128, "hidden": 2048, "width": 768, "top_k": 8}
 MOE_LAUNCHES = [{"BLOCK_N": n, "num_warps": w, "num_stages": st}
                 for n in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
-BF16_LAUNCHES = [{"BLOCK_N": n, "BLOCK_K": k, "num_warps": w, "num_stages": st}
-                 for n in (64, 128) for k in (64, 128) for w in (4, 8) for st in (3, 4)]
 
 
 def _mean_us(run, repeats: int) -> float:
@@ -142,24 +142,13 @@ def moe_rows(rows: list[int]) -> list[dict]:
             row["bf16_grouped_mm_graph_us"] = graph_us(partial(hf_experts, x, index, weights))
         except Exception as err:  # noqa: BLE001 - transformers' path did not capture
             row["bf16_grouped_mm_graph_us"] = f"failed: {str(err).splitlines()[0][:160]}"
-        row["bf16_triton"], row["bf16_triton_best"] = sweep(
-            grouped_moe_triton.LAUNCH, BF16_LAUNCHES,
-            partial(grouped_moe_triton.grouped_moe, x, index, weights, up_bf16, down_bf16,
-                    F.silu))
-        row["bf16_triton_default_graph_us"] = graph_us(partial(
-            grouped_moe_triton.grouped_moe, x, index, weights, up_bf16, down_bf16, F.silu))
-        reference = hf_experts(x, index, weights).float()
-        got = grouped_moe_triton.grouped_moe(x, index, weights, up_bf16, down_bf16,
-                                             F.silu).float()
-        row["bf16_triton_max_rel_err"] = float((got - reference).abs().max()
-                                               / reference.abs().max())
         row["fp8_grouped"], row["fp8_best"] = sweep(
             fp8_moe_triton.LAUNCH, MOE_LAUNCHES, partial(fp8.fused, x, index, weights))
         row["fp8_default_graph_us"] = next(
             (r["graph_us"] for r in row["fp8_grouped"]
              if all(r[k] == v for k, v in default.items())), None)
         print(json.dumps({k: v for k, v in row.items()
-                          if k not in ("fp8_grouped", "bf16_triton")}), flush=True)
+                          if k != "fp8_grouped"}), flush=True)
         out.append(row)
     return out
 
