@@ -7,7 +7,10 @@ calls ``.view(dtype)``, which fails unless the slice starts at a multiple of the
 :func:`flatten_into` / :func:`flatten_bucket` pad before a tensor that would start misaligned
 (a bucket of one dtype, as megarl's sender builds, has no padding). :func:`bucket_metadata`
 never pads: it describes what ``update_weights_from_distributed`` receives, laid out back to back
-as SGLang's ``FlattenedTensorBucket(named_tensors=...)`` does. The metadata records (name, shape,
+as SGLang's ``FlattenedTensorBucket(named_tensors=...)`` does. :func:`view_payload` builds a
+payload without copying: the flat tensor is a view of the storage its tensors already share,
+and the records point at their bytes (SGLang's ``reconstruct_tensors`` slices by the records
+only, in any order, so gaps between them are never read). The metadata records (name, shape,
 dtype, start_idx, end_idx, numel) are ``types.SimpleNamespace`` objects: SGLang reads them by
 attribute only, and its allow-listing unpickler accepts ``types.*``, so the trainer needs no
 SGLang installed to build a payload SGLang reads.
@@ -111,12 +114,13 @@ bucket's tensors (or :data:`ZERO_COPY_MIN_BYTES`): one post per storage must pay
 ZERO_COPY_MIN_BYTES = 64 << 20
 
 
-def zero_copy_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.device
+def zero_copy_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.device,
+                     min_tensors: int = ZERO_COPY_MIN_TENSORS
                      ) -> tuple[list[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
     """Split a bucket into groups that :func:`view_payload` sends without a copy, and the rest
     (in bucket order) to pack. A group is the contiguous tensors of one dtype on ``device``
     that share one storage (a Megatron actor's parameters are views of DDP's contiguous
-    buffers), with :data:`ZERO_COPY_MIN_TENSORS` or :data:`ZERO_COPY_MIN_BYTES` of them; off
+    buffers), with ``min_tensors`` of them or :data:`ZERO_COPY_MIN_BYTES`; off
     CUDA, where the bytes between the tensors travel inline, a group must also fill at least
     half of the span it covers."""
     by_storage: dict[tuple[int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
@@ -127,7 +131,7 @@ def zero_copy_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.de
     groups, grouped = [], set()
     for group in by_storage.values():
         nbytes = sum(t.numel() * t.element_size() for _, t in group)
-        if len(group) < ZERO_COPY_MIN_TENSORS and nbytes < ZERO_COPY_MIN_BYTES:
+        if len(group) < min_tensors and nbytes < ZERO_COPY_MIN_BYTES:
             continue
         if device.type != "cuda" and 2 * nbytes < _span(group)[1] - _span(group)[0]:
             continue

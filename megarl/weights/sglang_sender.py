@@ -13,7 +13,12 @@ driver, which posts the matching HTTP calls), and send each bucket as SGLang's
   own GPU, serialize it as CUDA IPC handles (shared bytes inline on CPU), gather the strings to
   the engine's first rank over gloo, which posts ``/update_weights_from_tensor`` with one entry
   per engine TP rank. Every rank keeps a bucket's buffer alive until the engine replied, and
-  holds at most two buckets: bucket k+1 is packed while bucket k is in flight.
+  holds at most two buckets: bucket k+1 is packed while bucket k is in flight. On an engine of
+  one GPU nothing is packed that need not be: the tensors of a bucket that are views of one
+  storage (a Megatron actor's parameters live in DDP's contiguous buffers) go as a
+  ``flattened_bucket`` whose flat tensor is a view of that storage, its records pointing at each
+  tensor's bytes (:func:`~megarl.weights.flattened.view_payload`), so the engine's load is the
+  only copy; the rest (the split q/k/v, casts, FP8) is packed and posted beside.
 """
 
 from __future__ import annotations

@@ -86,6 +86,31 @@ def test_sglang_reads_megarls_payload(sglang_serializer: types.SimpleNamespace,
     _assert_same(bucket.reconstruct_tensors(), named)
 
 
+def test_sglang_reads_megarls_zero_copy_payload(sglang_serializer: types.SimpleNamespace,
+                                                sglang_tensor_bucket: types.ModuleType) -> None:
+    """The colocated sender's payload without a copy: views of one buffer in reverse order with
+    bytes between them that belong to no record (as in a DDP buffer) read back by SGLang's own
+    classes as the tensors themselves."""
+    gen = torch.Generator().manual_seed(1)
+    buffer = torch.randn(4096, generator=gen).to(torch.bfloat16)
+    named = [(f"layers.{i}.w", buffer[3000 - 700 * i:3000 - 700 * i + 600].view(20, 30))
+             for i in range(4)] + [("norm", buffer[3900:3964])]
+    groups, rest = payload.zero_copy_groups(named, torch.device("cpu"), min_tensors=2)
+    assert rest == [] and len(groups) == 1
+    built = payload.view_payload(groups[0])
+    assert built["flattened_tensor"].untyped_storage().data_ptr() == \
+        buffer.untyped_storage().data_ptr()  # a view, not a copy
+    data = payload.serialize(built)
+    with _sglang_importable(sglang_tensor_bucket):
+        obj = sglang_serializer.MultiprocessingSerializer.deserialize(data)
+    metadata = [sglang_tensor_bucket.FlattenedTensorMetadata(
+        name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx,
+        numel=m.numel) for m in obj["metadata"]]
+    bucket = sglang_tensor_bucket.FlattenedTensorBucket(
+        flattened_tensor=obj["flattened_tensor"], metadata=metadata)
+    _assert_same(bucket.reconstruct_tensors(), named)
+
+
 @contextmanager
 def _sharing_strategy(strategy: str) -> Iterator[None]:
     saved = torch.multiprocessing.get_sharing_strategy()
