@@ -44,7 +44,21 @@ def checker(url: str, *actions: str) -> list[tuple[bool, str]]:
     return asyncio.run(run())
 
 
-def test_a_large_model_arrives_bit_exact_over_cuda_ipc(model_dir, tmp_path):
+def one_buffer(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """The tensors as views of one contiguous buffer in reverse order (DDP's parameter layout),
+    q/k/v as tensors of their own (mbridge's QKV split copies them)."""
+    qkv = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+    rest = [(n, t) for n, t in named if not n.endswith(qkv)]
+    buffer = torch.empty(sum(t.numel() for _, t in rest), dtype=torch.bfloat16, device="cuda")
+    views, end = {}, buffer.numel()
+    for name, tensor in reversed(rest):
+        end -= tensor.numel()
+        views[name] = buffer[end:end + tensor.numel()].view(tensor.shape).copy_(tensor)
+    return [(n, views.get(n, t)) for n, t in named]
+
+
+@pytest.mark.parametrize("layout", ["separate", "one_buffer"])
+def test_a_large_model_arrives_bit_exact_over_cuda_ipc(model_dir, tmp_path, layout):
     (server,) = launch_local_engines(str(model_dir), 1, device="cuda", log_dir=tmp_path,
                                      extra_args=["--dtype", "bfloat16"], ready_timeout_s=300)
     with socket.socket() as s:
@@ -56,6 +70,8 @@ def test_a_large_model_arrives_bit_exact_over_cuda_ipc(model_dir, tmp_path):
         assert snapshot[0] and reset[0]
         assert not checker(server.url, "compare")[0][0]  # the reset really changed them
         named = [(n, t.to("cuda", torch.bfloat16)) for n, t in iter_safetensors(model_dir)]
+        if layout == "one_buffer":
+            named = one_buffer(named)
         total = sum(t.numel() * 2 for _, t in named)
         assert total > 0.7e9
         plan = plan_buckets([(n, list(t.shape)) for n, t in named], "bfloat16", 256)
@@ -66,9 +82,11 @@ def test_a_large_model_arrives_bit_exact_over_cuda_ipc(model_dir, tmp_path):
         seconds = time.perf_counter() - start
         sender.close()
         assert sent == total
+        # views of one buffer go without a copy, q/k/v packed beside them
+        assert (sender.posts["zero_copy"] > 0) == (layout == "one_buffer"), sender.posts
         ok, message = checker(server.url, "compare")[0]
         assert ok, message
-        print(f"{total / 1e9:.2f} GB in {len(plan)} buckets: {seconds:.2f} s, "
+        print(f"{layout}: {total / 1e9:.2f} GB in {len(plan)} buckets: {seconds:.2f} s, "
               f"{total / seconds / 1e9:.1f} GB/s")
     finally:
         dist.destroy_process_group()
