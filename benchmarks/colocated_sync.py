@@ -39,37 +39,43 @@ from megarl.rollout.local.weights import iter_safetensors
 from megarl.weights.sglang_sender import ColocatedSender, plan_buckets
 
 
-def actor_layout(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+def actor_layout(named: list[tuple[str, torch.Tensor]], device: str
+                 ) -> list[tuple[str, torch.Tensor]]:
     """The tensors as a one-GPU Megatron actor exports them: q/k/v fresh tensors, the rest
     views of one contiguous buffer laid out in reverse order."""
     qkv = ("q_proj.weight", "k_proj.weight", "v_proj.weight")
     split = [(n, t) for n, t in named if n.endswith(qkv)]
     rest = [(n, t) for n, t in named if not n.endswith(qkv)]
-    buffer = torch.empty(sum(t.numel() for _, t in rest), dtype=torch.bfloat16, device="cuda")
+    buffer = torch.empty(sum(t.numel() for _, t in rest), dtype=torch.bfloat16, device=device)
     views, end = {}, buffer.numel()
     for name, tensor in reversed(rest):
         end -= tensor.numel()
         views[name] = buffer[end:end + tensor.numel()].view(tensor.shape).copy_(tensor)
-    fresh = {n: t.to("cuda", torch.bfloat16).clone() for n, t in split}
+    fresh = {n: t.to(device, torch.bfloat16).clone() for n, t in split}
     return [(n, views[n] if n in views else fresh[n]) for n, _ in named]
 
 
-def copy_rate(nbytes: int, repeats: int = 10) -> float:
+def copy_rate(nbytes: int, device: str, repeats: int = 10) -> float:
     """Bytes copied per second by one device copy of ``nbytes``."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)
     times = []
     for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        sync(device)
+        start = time.perf_counter()
         dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        sync(device)
+        times.append(time.perf_counter() - start)
     del src, dst
-    torch.cuda.empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return nbytes / min(times)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 def engine_matches(url: str, named: list[tuple[str, torch.Tensor]], sample: int = 24) -> bool:
@@ -96,6 +102,7 @@ def engine_matches(url: str, named: list[tuple[str, torch.Tensor]], sample: int 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="e2e_moe")
+    p.add_argument("--device", default="cuda", help="cpu: a smoke run of the script itself")
     p.add_argument("--bucket-mb", type=float, default=2048)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, required=True)
@@ -105,27 +112,29 @@ def main() -> int:
         port = s.getsockname()[1]
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     tmp = Path(tempfile.mkdtemp())
-    model_dir = build_model(tmp, args.shape, "cuda")
-    torch.cuda.empty_cache()
-    (server,) = launch_local_engines(str(model_dir), 1, device="cuda", log_dir=tmp,
+    model_dir = build_model(tmp, args.shape, args.device)
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+    (server,) = launch_local_engines(str(model_dir), 1, device=args.device, log_dir=tmp,
                                      extra_args=["--dtype", "bfloat16"], ready_timeout_s=600)
-    result: dict = {"shape": args.shape, "device": torch.cuda.get_device_name(),
-                    "bucket_mb": args.bucket_mb}
+    result: dict = {"shape": args.shape, "bucket_mb": args.bucket_mb,
+                    "device": torch.cuda.get_device_name() if cuda else "cpu"}
     try:
-        named = actor_layout(list(iter_safetensors(model_dir)))
+        named = actor_layout(list(iter_safetensors(model_dir)), args.device)
         total = sum(t.numel() * 2 for _, t in named)
         plan = plan_buckets([(n, list(t.shape)) for n, t in named], "bfloat16", args.bucket_mb)
         result.update(tensors=len(named), bytes=total, buckets=len(plan))
-        result["copy_bytes_per_s"] = copy_rate(min(total, 2 << 30))
+        result["copy_bytes_per_s"] = copy_rate(min(total, 2 << 30), args.device)
         for mode, zero_copy in (("packed", False), ("zero_copy", True)):
             sender = ColocatedSender(0, 1, [server.url], 1, zero_copy=zero_copy)
             walls, packs, waits = [], [], []
             for repeat in range(args.repeats + 1):
                 for _, t in named[:1]:
                     t.mul_(1.0)  # an update's last write, as the optimizer leaves it
-                torch.cuda.synchronize()
+                sync(args.device)
                 start = time.perf_counter()
-                sender.send(iter(named), plan, torch.device("cuda"), f"{mode}-{repeat}")
+                sender.send(iter(named), plan, torch.device(args.device), f"{mode}-{repeat}")
                 wall = time.perf_counter() - start
                 if repeat:
                     walls.append(wall)
