@@ -69,18 +69,19 @@ def _chunk_tensors(bridge, module: torch.nn.Module) -> Iterator[tuple[str, torch
     mbridge's conversion (names, and splitting fused QKV and gate/up) costs tens of microseconds
     of Python per parameter, thousands of times for an MoE model. The first export records which
     HF tensors are views of their parameter (all but a split QKV: embeddings, norms, projections,
-    each expert's gate and up halves); later exports rebuild those views with ``as_strided`` and
-    call mbridge only for the rest."""
+    each expert's gate and up halves); later exports rebuild those views with ``as_strided`` of
+    the tensor ``named_parameters`` yields then (a LoRA merge yields a new one) and call mbridge
+    only for the rest."""
+    params = dict(module.named_parameters())  # what it yields now (LoRA merges through it)
     plan = _PLANS.get(module)
-    if plan is None:
+    if plan is None or [e.name for e in plan if not e.buffer] != list(params):
         plan = []
         yield from _recorded(bridge, module, plan)
         if all(not e.buffer or _has_buffer(module, e.name) for e in plan):
             _PLANS[module] = plan
         return
     for entry in plan:
-        tensor = module.get_buffer(entry.name) if entry.buffer else module.get_parameter(
-            entry.name)
+        tensor = module.get_buffer(entry.name) if entry.buffer else params[entry.name]
         base = tensor.detach()
         if entry.views is None or (base.shape, base.stride()) != entry.layout:
             yield from zip(*bridge._weight_to_hf_format(entry.global_name, tensor))
