@@ -17,6 +17,7 @@ sync_export() {
   timeout 200 python3 benchmarks/colocated_sync.py --shape e2e_moe --out $OUT/colocated_sync.json \
     > $OUT/colocated_sync.log 2>&1
   echo "colocated sync rc=$?"; grep -E '^\{"(packed|zero_copy)"|Error' $OUT/colocated_sync.log | cut -c1-600
+  [ "${EXPORT:-1}" = 1 ] || return 0
   timeout 120 python3 benchmarks/export_weights.py --device cuda --experts 128 --layers 8 \
     --out $OUT/export_weights.json > $OUT/export_weights.log 2>&1
   echo "export rc=$?"; grep -E '"(hf_tensors|direct_ms|mbridge_ms|copy_ms|direct_over_mbridge_speedup)"|Error' $OUT/export_weights.log | tr -d '\n'; echo
