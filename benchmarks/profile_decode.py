@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=256)
     p.add_argument("--quantization", choices=["fp8"], default=None)
     p.add_argument("--baseline", action="store_true", help=(
-        "without decode_ops' packed GQA attention and grouped experts (the decoder before them)"))
+        "without decode_ops' grouped experts (transformers' experts above ALL_EXPERTS_ROWS)"))
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         from megarl.rollout.local import decode_ops
 
-        decode_ops.PACKED = False
+        decode_ops.ENABLED = False
         tag += "_baseline"
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model(Path(tmp), args.shape, "cuda")

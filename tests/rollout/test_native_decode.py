@@ -196,44 +196,6 @@ def test_fp8_projections_fuse_their_blocks_and_take_weight_updates(tmp_path):
     assert FusedLayer.of(odd_layer).qkv is None
 
 
-def _varlen_attention(q, keys, values, cu_q, used, scale):
-    """What a varlen attention kernel (FlashAttention's, not causal, ``seqused_k``) computes:
-    sequence i's queries ``q[cu_q[i]:cu_q[i+1]]`` over the first ``used[i]`` keys of row i,
-    head by head (as many query heads as K/V heads)."""
-    out = torch.empty_like(q)
-    for i in range(len(used)):
-        qs = q[cu_q[i]:cu_q[i + 1]]  # [m, heads, D]
-        k, v = keys[i, :used[i]], values[i, :used[i]]  # [t, heads, D]
-        probs = (torch.einsum("mhd,thd->hmt", qs, k) * scale).softmax(dim=-1)
-        out[cu_q[i]:cu_q[i + 1]] = torch.einsum("hmt,thd->mhd", probs, v)
-    return out
-
-
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (32, 4), (4, 4)])
-def test_gqa_packed_decode_attention_equals_per_head_attention(heads, kv_heads):
-    """Decode attention with each row's query heads of one K/V head packed as that row's
-    queries (what the native decoder hands FlashAttention) equals attention head by head with
-    HF's repeat_kv mapping (query head h reads K/V head h // group)."""
-    from megarl.rollout.local.decode_ops import gqa_pack, gqa_unpack
-
-    torch.manual_seed(0)
-    rows, dim, cap, group = 3, 16, 9, heads // kv_heads
-    used = [9, 4, 1]
-    q = torch.randn(rows, heads, dim, dtype=torch.float64)
-    keys = torch.randn(rows, cap, kv_heads, dim, dtype=torch.float64)
-    values = torch.randn(rows, cap, kv_heads, dim, dtype=torch.float64)
-    expected = torch.empty(rows, heads, dim, dtype=torch.float64)
-    for r in range(rows):
-        for h in range(heads):
-            k, v = keys[r, :used[r], h // group], values[r, :used[r], h // group]
-            expected[r, h] = (k @ q[r, h] * 0.25).softmax(dim=0) @ v
-    cu_q = [r * group for r in range(rows + 1)]
-    got = gqa_unpack(_varlen_attention(gqa_pack(q, kv_heads), keys, values, cu_q, used, 0.25),
-                     rows)
-    assert got.shape == (rows, heads * dim)
-    torch.testing.assert_close(got, expected.reshape(rows, -1), rtol=1e-12, atol=1e-12)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_grouped_experts_equal_transformers_expert_block(dtype):
     """The decoder's grouped expert GEMMs (above ALL_EXPERTS_ROWS rows) against transformers'

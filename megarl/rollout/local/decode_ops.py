@@ -1,16 +1,11 @@
-"""Torch-level pieces of the native decoder's decode step on CUDA (:mod:`.static_kv`).
+"""The native decoder's MoE layer at decode batch sizes where running every expert on every row
+costs more than routing (above ``static_kv.ALL_EXPERTS_ROWS``), on CUDA (:mod:`.static_kv`).
 
-- :func:`gqa_pack` / :func:`gqa_unpack`: decode attention reads each row's K/V once per K/V
-  head. FlashAttention's varlen kernel, given one query per row and all query heads, runs one
-  block per (row, query head) and reads the row's K/V once per *query* head; Qwen3-30B-A3B has
-  eight query heads per K/V head, so eight times the bytes that bound the step. Handing it each
-  row's query heads of one K/V head as that row's queries (no causal mask between them: they sit
-  at one position) gives the same result from one read.
-- :func:`grouped_experts`: the chosen experts of each row at batch sizes where running every
-  expert on every row costs more than routing (above ``ALL_EXPERTS_ROWS``): two
-  ``torch._grouped_mm`` over the (row, expert) pairs sorted by expert. transformers'
-  ``grouped_mm`` experts compute the same in about twice the kernels (masks, casts, a histogram
-  per call); :func:`grouped_experts_match` checks the two agree before the decoder uses it.
+:func:`grouped_experts` runs two ``torch._grouped_mm`` over the (row, expert) pairs sorted by
+expert. transformers' ``grouped_mm`` experts compute the same in about twice the kernels (masks,
+casts, a histogram per call): at 512 rows of the e2e MoE slice on an H100 the decode graph took
+7.74 ms against 8.35 (benchmarks/RESULTS.md). :func:`grouped_experts_match` checks the two agree
+before the decoder uses it.
 """
 
 from __future__ import annotations
@@ -23,25 +18,9 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-PACKED = True
-"""Use these paths (``benchmarks/profile_decode.py --baseline`` turns them off to time the
-decoder without them on the same machine)."""
-
-
-def gqa_pack(q: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    """Decode queries ``[rows, heads, D]`` as ``[rows * group, kv_heads, D]``: row r's query
-    heads that share K/V head h (HF's ``repeat_kv``: heads ``h * group`` to
-    ``(h + 1) * group - 1``) become r's ``group`` queries of head h."""
-    rows, heads, dim = q.shape
-    group = heads // kv_heads
-    return q.view(rows, kv_heads, group, dim).transpose(1, 2).reshape(rows * group, kv_heads, dim)
-
-
-def gqa_unpack(out: torch.Tensor, rows: int) -> torch.Tensor:
-    """The attention output of :func:`gqa_pack`'s queries as ``[rows, heads * D]``."""
-    total, kv_heads, dim = out.shape
-    group = total // rows
-    return out.view(rows, group, kv_heads, dim).transpose(1, 2).reshape(rows, -1)
+ENABLED = True
+"""Use :func:`grouped_experts` (``benchmarks/profile_decode.py --baseline`` turns it off to
+time the decoder without it on the same machine)."""
 
 
 def grouped_experts(experts: nn.Module, x: torch.Tensor, index: torch.Tensor,
@@ -69,7 +48,7 @@ def grouped_experts_match(mlp: nn.Module, swiglu: Callable[[torch.Tensor], torch
     2% of the largest output) on random rows and routes; eager, before any graph capture."""
     experts = mlp.experts
     weight = experts.gate_up_proj
-    if not PACKED or not hasattr(torch, "_grouped_mm") or weight.device.type != "cuda":
+    if not ENABLED or not hasattr(torch, "_grouped_mm") or weight.device.type != "cuda":
         return False
     gen = torch.Generator(device=weight.device).manual_seed(0)
     top_k = int(getattr(mlp.gate, "top_k", 2))

@@ -28,13 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megarl.kernels import triton_kernels
-from megarl.rollout.local import decode_ops
-from megarl.rollout.local.decode_ops import (
-    gqa_pack,
-    gqa_unpack,
-    grouped_experts,
-    grouped_experts_match,
-)
+from megarl.rollout.local.decode_ops import grouped_experts, grouped_experts_match
 from megarl.rollout.local.fp8_layers import unquantized_activations
 from megarl.rollout.local.fused_projections import FusedLayer
 from megarl.rollout.local.kv_cache import StaticKVCache, row_bucket
@@ -143,8 +137,6 @@ class NativeDecoder:
         self.head_dim = int(attn.head_dim)
         self.scale = float(attn.scaling)
         self.kv_heads = int(cfg.num_key_value_heads)
-        self.group = int(cfg.num_attention_heads) // self.kv_heads
-        """Query heads per K/V head (GQA)."""
         weight = inner.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.moe = any(hasattr(layer.mlp, "experts") for layer in self.layers)
@@ -422,13 +414,6 @@ class NativeDecoder:
         if k is not None:  # (None: the fused attention-input kernel wrote them)
             kc[step["slots"], positions] = k
             vc[step["slots"], positions] = v
-        if self.flash and decode_ops.PACKED:  # a row's query heads of a K/V head: its queries
-            out = torch.ops.aten._flash_attention_forward(
-                gqa_pack(q, self.kv_heads), kc.view(-1, *kc.shape[2:]),
-                vc.view(-1, *vc.shape[2:]), step["cu_q_group"], step["cu_k"], self.group,
-                self.cache.len_cap, 0.0, False, False, scale=self.scale,
-                seqused_k=step["used"])[0]
-            return gqa_unpack(out, rows)
         if self.flash:
             out = torch.ops.aten._flash_attention_forward(
                 q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), step["cu_q"],
@@ -453,7 +438,7 @@ class NativeDecoder:
         rows = tokens.shape[0]
         cu_q = torch.arange(rows + 1, device=self.device, dtype=torch.int32)
         step = {"positions": positions, "slots": torch.arange(rows, device=self.device),
-                "cu_q": cu_q, "cu_q_group": cu_q * self.group, "cu_k": cu_q * self.cache.len_cap,
+                "cu_q": cu_q, "cu_k": cu_q * self.cache.len_cap,
                 "used": (positions + 1).to(torch.int32)}
         routes: list[torch.Tensor] = []
         for index in range(len(self.layers)):
