@@ -1,6 +1,8 @@
 """The weight sync's export (HF-named tensors out of the megatron actor) on one rank: megarl's
-direct path (megarl.megatron.hf_export) against mbridge's ``export_weights`` and against a copy
-of every parameter, in the same run.
+direct path (megarl.megatron.hf_export) with its recorded views (every export after the first),
+the same path recording again each time (``direct_recording``: mbridge's per-parameter
+conversion, as every export ran before the views were kept), mbridge's ``export_weights`` and a
+copy of every parameter, in the same run.
 
     python benchmarks/export_weights.py [--device cpu|cuda] [--experts 32] [--layers 4]
                                         [--out outputs/bench/export_weights.json]
@@ -52,6 +54,7 @@ def main() -> int:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     from megarl.data.tiny_model import make_tiny_model
+    from megarl.megatron import hf_export
     from megarl.megatron.hf_export import export_hf_weights
     from megarl.megatron.model import build_actor_model
     from megarl.megatron.parallel import ParallelSizes
@@ -74,12 +77,16 @@ def main() -> int:
 
     with torch.no_grad():
         direct = best_of(args.repeats, lambda: drain(export_hf_weights(model)))
+        recording = best_of(args.repeats, lambda: (hf_export._PLANS.clear(),
+                                                   drain(export_hf_weights(model))))
         mbridge = best_of(args.repeats, lambda: drain(model.bridge.export_weights(model.chunks)))
         copy = best_of(args.repeats, lambda: [p.detach().clone() for p in params])
     gb = stats["bytes"] / 1e9
     result = {"device": args.device, "experts": args.experts, "layers": args.layers,
               "hf_tensors": stats["tensors"], "bytes": stats["bytes"],
-              "direct_ms": direct * 1e3, "mbridge_ms": mbridge * 1e3, "copy_ms": copy * 1e3,
+              "direct_ms": direct * 1e3, "direct_recording_ms": recording * 1e3,
+              "mbridge_ms": mbridge * 1e3, "copy_ms": copy * 1e3,
+              "recorded_views_speedup": recording / direct,
               "direct_gb_per_s": gb / direct, "mbridge_gb_per_s": gb / mbridge,
               "copy_gb_per_s": gb / copy, "direct_over_mbridge_speedup": mbridge / direct}
     args.out.parent.mkdir(parents=True, exist_ok=True)
