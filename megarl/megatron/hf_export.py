@@ -95,9 +95,8 @@ def _recorded(bridge, module: torch.nn.Module, plan: list[_Param]
               ) -> Iterator[tuple[str, torch.Tensor]]:
     """Export through mbridge, appending each parameter's :class:`_Param` to ``plan``."""
     to_global = bridge._weight_name_mapping_mcore_local_to_global(module, consider_ep=False)
-    seen = set()
     sources = [(name, param, False) for name, param in module.named_parameters()]
-    seen.update(name for name, _, _ in sources)
+    seen = {name for name, _, _ in sources}
     state = module.state_dict()
     sources += [(name, state[name], True) for name in state
                 if "_extra_state" not in name and "expert_bias" in name and name not in seen]

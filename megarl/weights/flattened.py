@@ -133,7 +133,8 @@ def zero_copy_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.de
         nbytes = sum(t.numel() * t.element_size() for _, t in group)
         if len(group) < min_tensors and nbytes < ZERO_COPY_MIN_BYTES:
             continue
-        if device.type != "cuda" and 2 * nbytes < _span(group)[1] - _span(group)[0]:
+        first, end = _span(group)
+        if device.type != "cuda" and 2 * nbytes < end - first:
             continue
         groups.append(group)
         grouped.update(name for name, _ in group)

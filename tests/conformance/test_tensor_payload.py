@@ -73,6 +73,12 @@ def test_sglang_reads_megarls_payload(sglang_serializer: types.SimpleNamespace,
     named = _named()  # fp32, bf16, then int64 at byte 74: megarl must align it (pad or order)
     data = payload.serialize(payload.flatten_bucket(named))
     assert isinstance(data, str)
+    _assert_same(_sglang_reconstructs(data, sglang_serializer, sglang_tensor_bucket), named)
+
+
+def _sglang_reconstructs(data: str, sglang_serializer: types.SimpleNamespace,
+                         sglang_tensor_bucket: types.ModuleType) -> list[tuple[str, torch.Tensor]]:
+    """What SGLang's ``_update_weights_from_flattened_bucket`` loads from ``data``."""
     with _sglang_importable(sglang_tensor_bucket):
         obj = sglang_serializer.MultiprocessingSerializer.deserialize(data)
     assert set(obj) == {"flattened_tensor", "metadata"}
@@ -83,7 +89,7 @@ def test_sglang_reads_megarls_payload(sglang_serializer: types.SimpleNamespace,
         numel=m.numel) for m in obj["metadata"]]
     bucket = sglang_tensor_bucket.FlattenedTensorBucket(
         flattened_tensor=obj["flattened_tensor"], metadata=metadata)
-    _assert_same(bucket.reconstruct_tensors(), named)
+    return bucket.reconstruct_tensors()
 
 
 def test_sglang_reads_megarls_zero_copy_payload(sglang_serializer: types.SimpleNamespace,
@@ -100,15 +106,8 @@ def test_sglang_reads_megarls_zero_copy_payload(sglang_serializer: types.SimpleN
     built = payload.view_payload(groups[0])
     assert built["flattened_tensor"].untyped_storage().data_ptr() == \
         buffer.untyped_storage().data_ptr()  # a view, not a copy
-    data = payload.serialize(built)
-    with _sglang_importable(sglang_tensor_bucket):
-        obj = sglang_serializer.MultiprocessingSerializer.deserialize(data)
-    metadata = [sglang_tensor_bucket.FlattenedTensorMetadata(
-        name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx, end_idx=m.end_idx,
-        numel=m.numel) for m in obj["metadata"]]
-    bucket = sglang_tensor_bucket.FlattenedTensorBucket(
-        flattened_tensor=obj["flattened_tensor"], metadata=metadata)
-    _assert_same(bucket.reconstruct_tensors(), named)
+    _assert_same(_sglang_reconstructs(payload.serialize(built), sglang_serializer,
+                                      sglang_tensor_bucket), named)
 
 
 @contextmanager

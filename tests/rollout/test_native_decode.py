@@ -107,13 +107,21 @@ def test_chunked_inverse_cdf_picks_what_the_full_cumulative_sum_picks():
         assert (weights.gather(1, picks[:, None]) > 0).all()
 
 
-def test_all_experts_decode_equals_routed_experts(model_dir):
+@pytest.mark.parametrize("path", ["all_experts", "grouped_experts"])
+def test_gpu_moe_decode_paths_equal_hf(model_dir, path, monkeypatch):
+    """The GPU decode paths of the MoE layer, forced on the CPU: every expert on every row
+    weighted by the router (few rows), and the grouped expert GEMMs (above ALL_EXPERTS_ROWS
+    rows, probed on CUDA); the same logits and routes as HF's model."""
+    from megarl.rollout.local import static_kv
+
     native = ModelRunner(model_dir, backend="native")
     if not native.native.moe:
         pytest.skip("dense model")
-    # the GPU decode path (every expert on every row, weighted by the router), forced on the CPU
     native.native.fast_kernels = True
     native.native._fast_checked = True
+    if path == "grouped_experts":
+        monkeypatch.setattr(static_kv, "ALL_EXPERTS_ROWS", 0)
+        native.native.grouped_experts = True
     hf = ModelRunner(model_dir, backend="hf")
     contexts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
     for runner in (native, hf):
@@ -229,26 +237,3 @@ def test_grouped_experts_equal_transformers_expert_block(dtype):
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-6 if dtype == torch.float32
                                else 2e-2 * float(expected.abs().max()))
 
-
-def test_grouped_experts_decode_equals_hf(model_dir, monkeypatch):
-    """The decoder's path above ALL_EXPERTS_ROWS rows (grouped expert GEMMs, probed on CUDA),
-    forced on the CPU: the same logits and routes as HF's model."""
-    from megarl.rollout.local import static_kv
-
-    native = ModelRunner(model_dir, backend="native")
-    if not native.native.moe:
-        pytest.skip("dense model")
-    monkeypatch.setattr(static_kv, "ALL_EXPERTS_ROWS", 0)
-    native.native.fast_kernels = native.native.grouped_experts = True
-    native.native._fast_checked = True
-    hf = ModelRunner(model_dir, backend="hf")
-    contexts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]]
-    for runner in (native, hf):
-        _, kv = runner.prefill(contexts, routes=False)
-        runner.append_rows(kv, [0, 1, 2])
-    tokens = [1, 2, 3]
-    for _ in range(3):
-        ours, ref = native.decode(tokens, routes=True), hf.decode(tokens, routes=True)
-        torch.testing.assert_close(ours.logits, ref.logits, atol=1e-5, rtol=0)
-        assert torch.equal(ours.routes, ref.routes)
-        tokens = ref.logits.argmax(-1).tolist()

@@ -189,13 +189,15 @@ class WeightMap:
             for name, tensor in named:
                 self.load(name, tensor)
             return len(named)
-        same = [(t, s) for t, (_, s) in zip(targets, named)
-                if s.dtype == t.dtype and s.device == t.device]
+        dsts, srcs = [], []
         for target, (_, tensor) in zip(targets, named):
-            if tensor.dtype != target.dtype or tensor.device != target.device:
+            if tensor.dtype == target.dtype and tensor.device == target.device:
+                dsts.append(target)
+                srcs.append(tensor)
+            else:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-        if same:
-            torch._foreach_copy_([t for t, _ in same], [s for _, s in same])
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
         if self._unwritten:
             for name, _ in named:
                 self._written(name)
