@@ -42,7 +42,7 @@ def test_client_keeps_engines_it_paused_or_released_in_service(server):
             states.append(await client.health())
             await client.resume_memory(["kv_cache"])
             states.append(await client.health())
-            async with httpx.AsyncClient(base_url=server.url) as http:  # paused behind its back
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:  # paused behind its back
                 await http.post("/pause_generation", json={"mode": "retract"})
                 try:
                     states.append(await client.health())
@@ -80,7 +80,7 @@ def test_memory_release_answers_null_and_errors_like_sglang(server, moe_dir):
                 message = str(err)
             else:
                 message = "no error"
-            async with httpx.AsyncClient(base_url=server.url) as http:
+            async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
                 refused = (await http.post("/generate", json={"input_ids": [5]})).json()
                 await client.update_weights_from_disk(str(moe_dir))
                 served = await http.post("/generate", json={"input_ids": [5]})
