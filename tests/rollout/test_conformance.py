@@ -32,7 +32,7 @@ def test_health_blocks_while_paused_then_answers_503(server):
 
 def test_client_keeps_engines_it_paused_or_released_in_service(server):
     async def scenario() -> tuple[list[list[bool]], dict[int, str]]:
-        client = SGLangClient([server.url], unhealthy_after=1, health_timeout_s=5)
+        client = SGLangClient([server.url], unhealthy_after=1, health_timeout_s=15)
         states = []
         try:
             await client.pause("retract")
