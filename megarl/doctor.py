@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from megarl.net import free_port
+
 Status = Literal["PASS", "WARN", "FAIL"]
 
 # package -> (tested range as (min inclusive, max exclusive) version tuples, required?, fix)
@@ -108,12 +110,6 @@ def check_devices() -> list[Check]:
     return checks
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def check_distributed() -> Check:
     """A one-process torch.distributed group initialises and an all-reduce runs."""
     import torch
@@ -123,7 +119,7 @@ def check_distributed() -> Check:
     if dist.is_initialized():
         return Check("PASS", "distributed", f"already initialised ({dist.get_backend()})")
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                 rank=0, world_size=1)
         device = "cuda" if backend == "nccl" else "cpu"
         value = torch.ones(1, device=device)

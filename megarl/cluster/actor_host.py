@@ -69,9 +69,9 @@ class WorkerHost:
 
     def free_port(self) -> int:
         """A TCP port free on this node a moment ago (rank 0 picks the rendezvous port)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+        from megarl.net import free_port
+
+        return free_port("0.0.0.0")
 
     def setup(self, info: WorkerInfo, echo: bool) -> None:
         """Take the rank, export the torchrun-style environment, redirect output to the log."""

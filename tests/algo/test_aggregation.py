@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megarl.algo import LOSS_AGG_MODES, aggregate_loss, loss_counts
+from megarl.net import free_port
 
 NORM_LEN = 16.0
 
@@ -79,12 +78,6 @@ def test_micro_batch_split_sums_to_unsplit(make_mask, mode: str) -> None:
         assert abs(local.item() - full.item()) > 1e-6
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _data_parallel_worker(
     rank: int, world: int, port: int, loss: torch.Tensor, mask: torch.Tensor, results: dict
 ) -> None:
@@ -115,7 +108,7 @@ def test_data_parallel_ranks_with_global_counts_match_unsplit(make_mask) -> None
     ctx = mp.get_context("fork")
     with ctx.Manager() as manager:
         results = manager.dict()
-        port = _free_port()
+        port = free_port()
         procs = [
             ctx.Process(target=_data_parallel_worker, args=(rank, 2, port, loss, mask, results))
             for rank in range(2)

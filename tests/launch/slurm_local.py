@@ -17,18 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megarl.net import free_port
+
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "sinfo", "scancel")
 TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                    "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
 PARTITION = "megarl-test"
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
@@ -104,8 +99,8 @@ class LocalSlurm:
         self.conf.write_text("\n".join([
             "ClusterName=megarltest",
             f"SlurmctldHost={self.node}",
-            f"SlurmctldPort={free_port()}",
-            f"SlurmdPort={free_port()}",
+            f"SlurmctldPort={free_port('')}",
+            f"SlurmdPort={free_port('')}",
             "AuthType=auth/munge",
             "CredType=cred/munge",
             f"AuthInfo=socket={munge_socket}",

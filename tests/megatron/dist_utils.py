@@ -18,7 +18,6 @@ from __future__ import annotations
 import gc
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -27,13 +26,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+from megarl.net import free_port
 
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers",
            "megarl.megatron.model", "megarl.megatron.update", "megarl.megatron.logprobs",

@@ -9,11 +9,10 @@ buffer is broadcast. CUDA buffers use NCCL; CPU buffers use gloo with the same c
 
 from __future__ import annotations
 
-import socket
-
 import torch
 import torch.distributed as dist
 
+from megarl.net import free_port
 from megarl.weights.buckets import Bucket, BucketMeta, unpack
 from megarl.weights.group import close_weight_update_group, open_weight_update_group
 from megarl.weights.transports.base import (
@@ -22,13 +21,6 @@ from megarl.weights.transports.base import (
     SenderTransport,
     grown,
 )
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def _backend(device: torch.device) -> str:
