@@ -435,10 +435,18 @@ def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
                         f"forced mean is {out['mean_response_length']:.1f}: the engine cut them "
                         "(context length?); every per-token figure of this run is wrong")
     if "walls" in trl:
+        # TRL's step may cover the first --trl-prompts prompts only: the ratio is of tokens/s
+        rows = len(lengths) if trl.get("prompts") is None else trl["prompts"] * args.n
+        trl_tokens = sum(lengths[:rows]) + sum(len(p) for p in prompt_rows[:rows])
+        out["trl_prompts"] = rows // args.n
+        out["trl_micro_batch"] = trl.get("micro_batch")
+        out["trl_generation_batch"] = trl.get("generation_batch")
         out["trl_mean_completion_length"] = mean(trl["mean_completion_length"])
+        out["trl_expected_completion_length"] = sum(lengths[:rows]) / rows + 1  # + its EOS
         out["trl_step_s"] = mean(trl["walls"])
-        out["trl_tokens_per_s"] = all_tokens / out["trl_step_s"]
-        out["megarl_over_trl"] = out["trl_step_s"] / step_s
+        out["trl_tokens_per_s"] = trl_tokens / out["trl_step_s"]
+        out["trl_step_s_all_prompts"] = all_tokens / out["trl_tokens_per_s"]
+        out["megarl_over_trl"] = out["step_tokens_per_s"] / out["trl_tokens_per_s"]
     else:
         out["trl"] = trl
     return out
@@ -494,7 +502,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sigma", type=float, default=0.8, help="log-normal sigma of the lengths")
     p.add_argument("--moe-layers", type=int, default=8)
     p.add_argument("--micro-batches", type=int, default=16,
-                   help="micro-batches per step in TRL, and in megarl with --micro-batch-tokens 0")
+                   help="megarl's micro-batches per step with --micro-batch-tokens 0")
     p.add_argument("--micro-batch-tokens", type=int, default=16384,
                    help="megarl's token budget per micro-batch (actor.use_dynamic_bsz); 0: equal "
                         "splits of --micro-batches")
@@ -507,6 +515,13 @@ def parse(argv: list[str]) -> argparse.Namespace:
                    help="off: TRL's side only, reported next to the megarl steps an earlier run "
                         "with --trl off left in the same --out (the two sides as two commands)")
     p.add_argument("--trl-vllm", action="store_true", help="TRL with vLLM colocated generation")
+    p.add_argument("--trl-prompts", type=int, default=0,
+                   help="TRL's step on the first K of the prompts (same ids, same forced lengths; "
+                        "0: all); the ratio is then one of step tokens/s")
+    p.add_argument("--trl-micro-batch", type=int, default=8,
+                   help="TRL's per_device_train_batch_size (its default, 8)")
+    p.add_argument("--trl-warmup", type=int, default=None, help="TRL's untimed steps (--warmup)")
+    p.add_argument("--trl-steps", type=int, default=None, help="TRL's timed steps (--steps)")
     p.add_argument("--router-replay", choices=["disabled", "R3"], default="disabled",
                    help="R3: megarl's side with actor.router_replay.mode=R3 (the MoE shape), "
                         "reported as moe_r3 next to an R3-less moe run in the same --out")
@@ -525,6 +540,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
         args.prompts, args.n, args.prompt_len, args.max_response = 4, 2, [8, 16], 16
         args.median, args.steps, args.micro_batches = 6.0, 1, 2
         args.micro_batch_tokens, args.recompute = 0, "none"
+        args.trl_micro_batch = min(args.trl_micro_batch, args.n)
+    args.trl_warmup = args.warmup if args.trl_warmup is None else args.trl_warmup
+    args.trl_steps = args.steps if args.trl_steps is None else args.trl_steps
     return args
 
 

@@ -21,19 +21,67 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 
+def kv_bytes_per_row(model: Path, tokens: int) -> int:
+    """The bf16 KV cache HF ``generate`` holds for one row of ``tokens`` tokens."""
+    cfg = json.loads((model / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2 * tokens
+
+
+def generation_batch(samples: int, micro: int, n: int, row_bytes: int,
+                     budget_bytes: float | None) -> int:
+    """The rows of one HF ``generate`` call: the largest that divides ``samples``, is a multiple
+    of TRL's micro-batch and of the group size (TRL's rules for ``generation_batch_size``), and
+    whose KV cache fits ``budget_bytes`` (None: no limit, e.g. on the CPU). TRL's default, every
+    sample of the step in one call, would hold 512 rows x 2,561 tokens of KV cache: 150 GB for
+    the dense shape."""
+    step = math.lcm(micro, n)
+    allowed = [g for g in range(step, samples + 1, step) if samples % g == 0]
+    if not allowed:
+        raise ValueError(f"TRL: {samples} samples per step cannot be split into generation "
+                         f"batches of multiples of the micro-batch {micro} and the group {n}")
+    if budget_bytes is None:
+        return allowed[-1]
+    fits = [g for g in allowed if g * row_bytes <= budget_bytes]
+    return fits[-1] if fits else allowed[0]
+
+
 def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) -> dict[str, Any]:
-    """Runs :func:`trl_worker` in a child process (``python e2e_trl.py SPEC``); its per-step seconds, or why it did not run."""
+    """Runs :func:`trl_worker` in a child process (``python e2e_trl.py SPEC``) on the first
+    ``--trl-prompts`` prompts; its per-step seconds, or why it did not run."""
     try:
         import trl  # noqa: F401
     except ImportError:
         return {"skipped": "trl is not installed (pip install 'megarl[bench]')"}
     out = args.out / shape / "trl"
     out.mkdir(parents=True, exist_ok=True)
-    spec = {"model": str(model), "prompts": str(rows_path), "n": args.n, "median": args.median,
+    rows = rows_path.read_text().splitlines()
+    prompts = args.trl_prompts or len(rows)
+    if not 0 < prompts <= len(rows):
+        return {"failed": f"--trl-prompts {args.trl_prompts}: between 1 and --prompts "
+                          f"({len(rows)})"}
+    trl_rows = out / "prompts.jsonl"
+    trl_rows.write_text("\n".join(rows[:prompts]) + "\n")
+    samples, micro = prompts * args.n, args.trl_micro_batch
+    if samples % micro:
+        return {"failed": f"--trl-micro-batch {micro} must divide the {samples} samples of "
+                          f"TRL's step ({prompts} prompts x {args.n})"}
+    budget = None
+    if args.device == "cuda":  # what is left for the KV cache next to the weights, their
+        # gradients and two Adam moments (bf16, as TRL keeps them) and ~6 GB of activations
+        total = torch.cuda.get_device_properties(0).total_memory
+        weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
+        budget = 0.85 * total - 4 * weights - 6e9
+    longest = args.prompt_len[1] + args.max_response + 1
+    gen_batch = generation_batch(samples, micro, args.n, kv_bytes_per_row(model, longest), budget)
+    steps = args.trl_warmup + args.trl_steps
+    spec = {"model": str(model), "prompts": str(trl_rows), "n": args.n, "median": args.median,
             "sigma": args.sigma, "max_response": args.max_response, "out": str(out),
-            "steps": args.warmup + args.steps, "micro_batches": args.micro_batches,
+            "steps": steps, "micro_batch": micro, "generation_batch": gen_batch,
             "result": str(out / "result.json"), "vllm": args.trl_vllm}
     (out / "spec.json").write_text(json.dumps(spec))
+    print(f"[trl {shape}] {prompts} prompts x {args.n}, micro-batch {micro}, generate in "
+          f"batches of {gen_batch}, {steps} steps ({args.trl_warmup} warm-up)", flush=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
     log = out / "trl.log"
     with log.open("w") as stderr:
@@ -45,8 +93,9 @@ def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) 
         why = (errors or lines or ["no output"])[-1].strip()[:400]
         return {"failed": f"TRL exited with {proc.returncode}: {why} (log: {log})"}
     result = json.loads((out / "result.json").read_text())
-    return {"walls": result["step_s"][args.warmup:],
-            "mean_completion_length": result["mean_completion_length"]}
+    return {"walls": result["step_s"][args.trl_warmup:],
+            "mean_completion_length": result["mean_completion_length"],
+            "prompts": prompts, "micro_batch": micro, "generation_batch": gen_batch}
 
 
 def trl_worker(spec_path: Path) -> int:
@@ -115,13 +164,12 @@ def trl_worker(spec_path: Path) -> int:
     def reward(completions: list[str], **kwargs: Any) -> list[float]:
         return [score("e2e_bench", c, "") for c in completions]
 
-    prompts_per_step = len(rows)
-    samples = prompts_per_step * n
-    micro = max(1, samples // spec["micro_batches"])
+    samples, micro = len(rows) * n, spec["micro_batch"]
     cuda = torch.cuda.is_available()
     config = GRPOConfig(
         output_dir=spec["out"], max_steps=spec["steps"], num_generations=n,
         per_device_train_batch_size=micro, gradient_accumulation_steps=samples // micro,
+        generation_batch_size=spec["generation_batch"],
         max_completion_length=cap + 1, learning_rate=1e-6, beta=0.0, num_iterations=1,
         temperature=1.0, logging_steps=1, report_to=[], save_strategy="no", bf16=cuda,
         use_cpu=not cuda, model_init_kwargs={"dtype": torch.bfloat16 if cuda else torch.float32},

@@ -5,6 +5,7 @@
 #   DS_PART=b bash benchmarks/h200/call_decode_sync.sh   # MoE 512 fp8, MoE 64, sync, export
 #   DS_PART=ab ...  # one call: the GPU tests but FP8's, MoE 512 bf16 profiles, sync, export
 #   DS_PART=c ...   # then: MoE 512 fp8 and MoE 64 bf16, each against its baseline
+#   DS_PART=s ...   # the sync and the export only
 source benchmarks/h200/setup.sh
 profile() {  # shape rows quant [--baseline]
   local tag=$1_$2_$3${4:+_baseline} q=$([ "$3" = fp8 ] && echo "--quantization fp8")
@@ -53,4 +54,7 @@ if [ "${DS_PART:-a}" = c ]; then  # after ab: the other profiles
   profile e2e_moe 512 fp8 --baseline
   profile e2e_moe 64 bf16
   profile e2e_moe 64 bf16 --baseline
+fi
+if [ "${DS_PART:-a}" = s ]; then
+  sync_export
 fi

@@ -1,6 +1,7 @@
 # One shape of benchmarks/e2e_step.py, megarl's side only, with the memory knobs given as
 # arguments; JSON, PNG, metrics and log to $OUT.   usage: e2e_megarl.sh SHAPE [a.b=c ...]
 # R3=1: with --router-replay R3 (the MoE shape; reported as moe_r3, its files named SHAPE_r3)
+# E2E_ARGS: more arguments of e2e_step.py (e.g. "--steps 1")
 source benchmarks/h200/setup.sh
 shape=$1; shift
 if [ "${R3:-0}" = 1 ]; then extra="--router-replay R3"; side=megarl_r3; name=${shape}_r3
@@ -12,7 +13,7 @@ set -o pipefail
   > $OUT/mem_$name.log 2>&1 &
 monitor=$!
 PYTHONFAULTHANDLER=1 timeout -s ABRT -k 15 ${E2E_TIMEOUT:-480} python3 benchmarks/e2e_step.py --shape "$shape" --trl off \
-  $extra --out /tmp/e2e --set "$@" 2>&1 | tee $OUT/e2e_$name.log | grep -v -i "warn" | tail -60
+  $extra ${E2E_ARGS:-} --out /tmp/e2e --set "$@" 2>&1 | tee $OUT/e2e_$name.log | grep -v -i "warn" | tail -60
 rc=$?
 cp /tmp/e2e/e2e_step.json $OUT/e2e_step_$name.json 2>/dev/null
 cp /tmp/e2e/e2e_step.png $OUT/e2e_step_$name.png 2>/dev/null

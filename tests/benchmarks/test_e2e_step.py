@@ -140,7 +140,8 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
     pytest.importorskip("trl")
     env.pop("MEGARL_FAIL_AT")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_step.py"), "--smoke",
-                           "--shape", "moe", "--megarl", "off", "--out", str(tmp_path)],
+                           "--shape", "moe", "--megarl", "off", "--trl-prompts", "3",
+                           "--out", str(tmp_path)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -154,11 +155,21 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
     assert both["response_tokens"] == sum(forced)
     # megarl trained exactly the forced lengths; TRL generated them plus its EOS
     assert both["trained_response_length"] == pytest.approx(sum(forced) / len(forced), abs=1e-9)
-    assert both["trl_mean_completion_length"] == pytest.approx(sum(forced) / len(forced) + 1,
-                                                               abs=1e-3)
+    # TRL's step ran the first 3 of the 4 prompts (--trl-prompts 3): their forced lengths + EOS
+    trl_forced = forced[:3 * 2]
+    assert both["trl_prompts"] == 3 and both["trl_generation_batch"] == 6
+    assert both["trl_mean_completion_length"] == pytest.approx(
+        sum(trl_forced) / len(trl_forced) + 1, abs=1e-3)
+    assert both["trl_expected_completion_length"] == pytest.approx(
+        sum(trl_forced) / len(trl_forced) + 1)
     for phase in ("gen_s", "old_log_prob_s", "update_actor_s", "sync_s", "step_s", "trl_step_s"):
         assert both[phase] > 0, phase
-    assert both["megarl_over_trl"] == pytest.approx(both["trl_step_s"] / both["step_s"])
+    trl_tokens = sum(trl_forced) + 2 * sum(len(p) for p in prompts[:3])
+    assert both["trl_tokens_per_s"] == pytest.approx(trl_tokens / both["trl_step_s"])
+    assert both["megarl_over_trl"] == pytest.approx(
+        both["tokens"] / both["step_s"] / both["trl_tokens_per_s"])
+    assert both["trl_step_s_all_prompts"] == pytest.approx(
+        both["trl_step_s"] * both["tokens"] / trl_tokens)
     assert 0 < both["gen_floor_fraction"] and 0 < both["update_actor_mfu"] < 1
     # the CPU smoke runs separate pools: no release/resume, and the report says so
     assert "timing/release_rollout" in both["phases_not_run"]
@@ -260,3 +271,32 @@ def test_estimates_are_held_against_the_peaks_of_their_phases(tmp_path):
     memory["max_memory_allocated_gb/update_actor"] = 98.59 / 0.74  # 26% under: out of bound
     assert not compare_estimates(path, memory, 0)["update_actor"]["within_bound"]
     assert compare_estimates(tmp_path / "missing.json", memory, 0) == {}
+
+
+def test_trl_generates_in_batches_whose_kv_cache_fits():
+    """TRL's default generates every sample of the step in one HF ``generate`` call: 512 rows x
+    2,561 tokens of KV cache is 150 GB for the dense shape. The benchmark splits it into the
+    largest batch TRL accepts (a divisor of the step's samples, a multiple of the micro-batch and
+    of the group) whose cache fits what the weights, gradients and Adam moments leave."""
+    trl = load("e2e_trl")
+    row = 2 * 28 * 8 * 128 * 2 * 2561  # K and V, layers, KV heads, head dim, bf16, tokens
+    assert row == pytest.approx(293.7e6, rel=1e-3)
+    assert trl.generation_batch(512, 8, 8, row, None) == 512  # no limit: TRL's default
+    assert trl.generation_batch(512, 8, 8, row, 40e9) == 128  # 128 x 294 MB <= 40 GB < 256 x
+    assert trl.generation_batch(512, 8, 8, row, 1e9) == 8  # never below one group
+    assert trl.generation_batch(96, 8, 6, row, None) == 96
+    assert trl.generation_batch(96, 8, 6, row, 20e9) == 48  # multiples of lcm(8, 6) = 24
+    with pytest.raises(ValueError, match="micro-batch 8 and the group 6"):
+        trl.generation_batch(40, 8, 6, row, None)
+
+
+def test_kv_bytes_per_row_reads_the_models_config(tmp_path):
+    trl = load("e2e_trl")
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 8, "num_key_value_heads": 4, "hidden_size": 2048,
+         "num_attention_heads": 32}))  # no head_dim: hidden / heads = 64
+    assert trl.kv_bytes_per_row(tmp_path, 100) == 2 * 8 * 4 * 64 * 2 * 100
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_hidden_layers": 8, "num_key_value_heads": 4, "head_dim": 128, "hidden_size": 2048,
+         "num_attention_heads": 32}))
+    assert trl.kv_bytes_per_row(tmp_path, 100) == 2 * 8 * 4 * 128 * 2 * 100
