@@ -68,9 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", default="moe")
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
+    p.add_argument("--prefill-tokens", type=int, default=65536,
+                   help="prompt tokens per prefill call (the rows are prefilled in chunks)")
     p.add_argument("--quantization", choices=["fp8"], default=None)
     p.add_argument("--baseline", action="store_true", help=(
         "without decode_ops' grouped experts (transformers' experts above ALL_EXPERTS_ROWS)"))
+    p.add_argument("--flash-attention", action="store_true", help=(
+        "decode attention by FlashAttention's varlen kernel, not the split-K Triton kernel"))
     p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -87,10 +91,16 @@ def main(argv: list[str] | None = None) -> int:
                              quantization=args.quantization)
     native = runner.native
     assert native is not None, "the native decode path is not in use"
+    if args.flash_attention:
+        native.split_attention = False
+        tag += "_flash"
     prompts = make_prompts(args.rows, args.prompt_len, args.prompt_len, runner.vocab_size)
-    prefill_ms = cuda_ms(lambda: runner.prefill(prompts, False), repeats=3, warmup=1)
-    _, kv = runner.prefill(prompts, False)
-    runner.append_rows(kv, list(range(args.rows)))
+    chunk = max(1, args.prefill_tokens // args.prompt_len)  # rows per prefill call
+    prefill_ms = cuda_ms(lambda: runner.prefill(prompts[:chunk], False), repeats=3, warmup=1)
+    for first in range(0, args.rows, chunk):
+        _, kv = runner.prefill(prompts[first:first + chunk], False)
+        runner.append_rows(kv, list(range(len(prompts[first:first + chunk]))))
+        del kv
     gen = torch.Generator().manual_seed(0)
     batch = BatchSampling.build([RowSampling(1.0, 1.0, 0, 0.0)] * args.rows, native.device)
     tokens = [5] * args.rows
@@ -101,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         "shape": args.shape, "rows": args.rows, "prompt_len": args.prompt_len,
         "quantization": args.quantization, "baseline": args.baseline,
         "cuda_graphs": native.use_graphs, "fast_kernels": native.fast_kernels,
-        "prefill_ms": prefill_ms,
+        "prefill_ms": prefill_ms, "prefill_rows": min(chunk, args.rows),
     }
     if graph is not None:
         result["graph_replay_ms"] = cuda_ms(graph.graph.replay, repeats=50)
@@ -110,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     fused = batch.fused if runner.fused_sampling else None
     result["fused_sampling"] = fused is not None
     result["grouped_experts"] = native.grouped_experts
+    result["split_attention"] = native.split_attention
 
     def engine_step() -> None:
         nonlocal tokens

@@ -161,6 +161,9 @@ class NativeDecoder:
         use and again after :meth:`release`, since moving the model re-allocates weights)."""
         on_cuda = self.device.type == "cuda"
         self._decode_kernels = _cuda_module("decode_triton") if on_cuda else None
+        self._split_attention = _cuda_module("decode_attention_triton") if on_cuda else None
+        self.split_attention = self._split_attention is not None
+        """Decode attention by the split-K Triton kernel, not FlashAttention (CUDA; probed)."""
         sampling = _cuda_module("sampling_triton") if on_cuda else None
         self._sampler = None if sampling is None else sampling.gumbel_sample
         self.fused_sampling = self._sampler is not None
@@ -414,6 +417,9 @@ class NativeDecoder:
         if k is not None:  # (None: the fused attention-input kernel wrote them)
             kc[step["slots"], positions] = k
             vc[step["slots"], positions] = v
+        if self.flash and self.split_attention:
+            out = self._split_attention.decode_attention(q, kc, vc, step["used"], self.scale)
+            return out.reshape(rows, -1)
         if self.flash:
             out = torch.ops.aten._flash_attention_forward(
                 q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), step["cu_q"],
@@ -439,7 +445,9 @@ class NativeDecoder:
         cu_q = torch.arange(rows + 1, device=self.device, dtype=torch.int32)
         step = {"positions": positions, "slots": torch.arange(rows, device=self.device),
                 "cu_q": cu_q, "cu_k": cu_q * self.cache.len_cap,
-                "used": (positions + 1).to(torch.int32)}
+                # a padded graph row (at the scratch column) attends to one token, not all
+                "used": torch.where(positions == self.cache.len_cap - 1, 1, positions + 1
+                                    ).to(torch.int32)}
         routes: list[torch.Tensor] = []
         for index in range(len(self.layers)):
             attend = (lambda q, k, v, i=index: self._attend_decode(i, q, k, v, step, span))
@@ -488,14 +496,20 @@ class NativeDecoder:
         span = self._longest() + 1
         greedy = (torch.zeros(len(ids), device=self.device),
                   torch.zeros(len(ids), dtype=torch.long, device=self.device))
-        try:
-            with unquantized_activations():  # FP8 layers w8a16 in both paths (its doc: why)
-                fast, _, picks = self._step(ids.to(self.device), positions, span,
-                                            greedy if self.fused_sampling else None)
-        except (RuntimeError, TypeError) as err:
-            logger.warning("fast decode kernels failed (%s); using the reference path", err)
-            self.flash = self.fast_kernels = self.fused_sampling = False
-            return
+        for attempt in (0, 1):
+            try:
+                with unquantized_activations():  # FP8 layers w8a16 in both paths (its doc: why)
+                    fast, _, picks = self._step(ids.to(self.device), positions, span,
+                                                greedy if self.fused_sampling else None)
+                break
+            except (RuntimeError, TypeError, ValueError) as err:
+                if attempt == 0 and self.split_attention:  # FlashAttention's, then none
+                    logger.warning("split-K decode attention failed (%s)", err)
+                    self.split_attention = False
+                    continue
+                logger.warning("fast decode kernels failed (%s); using the reference path", err)
+                self.flash = self.fast_kernels = self.fused_sampling = False
+                return
         flash, self.flash, self.fast_kernels = self.flash, False, False
         with unquantized_activations():
             ref, _, _ = self._step(ids.to(self.device), positions, span)

@@ -1,0 +1,84 @@
+"""The split-K decode attention kernel on CPU, through Triton's interpreter
+(``TRITON_INTERPRET=1``): the checks of tests/gpu/test_decode_attention_gpu.py, in one child
+process (the variable must be set before Triton loads) whose path has the Triton that ``make
+test`` installs beside the venv (see tests/rollout/test_fp8_moe_interpreted.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+TRITON = Path(sys.prefix) / "triton-interpreter"
+
+CHILD = """
+import json, traceback
+import decode_attention_checks as c
+
+def part(name, fn):
+    try:
+        print(json.dumps({name: fn()}))
+    except Exception:
+        print(json.dumps({name: "FAILED " + traceback.format_exc()}))
+
+for splits in (None, 1, 2, 5):
+    part(f"reference_{splits}", lambda: c.check_matches_reference("cpu", splits))
+part("splits_agree", lambda: c.check_splits_agree("cpu"))
+part("qwen_shapes", lambda: c.check_qwen_shapes("cpu"))
+part("refuses", lambda: c.check_refuses_bad_inputs("cpu"))
+from megarl.rollout.local.decode_attention_triton import MIN_CHUNK, num_splits
+part("num_splits", lambda: [MIN_CHUNK, num_splits(512, 8, 2560, 264), num_splits(4, 4, 2560, 264),
+                            num_splits(4, 4, 100_000, 264), num_splits(1, 1, 10, 264)])
+"""
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    if not (TRITON / "triton").is_dir():
+        pytest.skip(f"no Triton for the interpreter at {TRITON} (make test installs it)")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(TRITON), str(TESTS), os.environ.get("PYTHONPATH",
+                                                                                   "")])}
+    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    parts = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("{"):
+            parts.update(json.loads(line))
+    return parts
+
+
+def result(report: dict, name: str):
+    value = report[name]
+    assert not (isinstance(value, str) and value.startswith("FAILED")), value
+    return value
+
+
+@pytest.mark.parametrize("splits", [None, 1, 2, 5])
+def test_decode_attention_equals_fp32_attention(report, splits):
+    print("largest error:", result(report, f"reference_{splits}"))
+
+
+def test_one_split_and_many_agree(report):
+    print("largest error:", result(report, "splits_agree"))
+
+
+def test_the_e2e_shapes_head_layouts(report):
+    print("largest error:", result(report, "qwen_shapes"))
+
+
+def test_bad_inputs_are_refused_with_the_shapes(report):
+    assert "q (2, 6, 64)" in result(report, "refuses")
+
+
+def test_num_splits_fills_the_device_with_long_enough_chunks(report):
+    min_chunk, *got = result(report, "num_splits")
+    # 512 rows x 8 KV heads already fill 264 programs: one split; 4 rows x 4 KV heads: as
+    # many splits as 264 programs want (17), each over at least MIN_CHUNK keys
+    assert got == [1, 2560 // min_chunk, 17, 1]
