@@ -19,17 +19,24 @@ def hf_next_logprobs(model, sequences: list[list[int]]) -> torch.Tensor:
     return torch.stack(out)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_moe_grouped"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen3_moe_grouped",
+                                  "qwen3_split_fails"])
 def test_native_decode_matches_hf_forward(tmp_path, arch, monkeypatch):
     """(``qwen3_moe_grouped``: every decode step through the grouped expert GEMMs, the path
-    above ALL_EXPERTS_ROWS rows.)"""
-    from megarl.rollout.local import static_kv
+    above ALL_EXPERTS_ROWS rows; ``qwen3_split_fails``: the split-K attention kernel raises at
+    the first decode, FlashAttention's takes over.)"""
+    from megarl.rollout.local import decode_attention_triton, static_kv
     from megarl.rollout.local.model_runner import ModelRunner
 
     grouped = arch == "qwen3_moe_grouped"
-    arch = arch.removesuffix("_grouped")
+    split_fails = arch == "qwen3_split_fails"
+    arch = arch.removesuffix("_grouped").removesuffix("_split_fails")
     if grouped:
         monkeypatch.setattr(static_kv, "ALL_EXPERTS_ROWS", 0)
+    if split_fails:
+        def broken(*args, **kwargs):
+            raise RuntimeError("no kernel image")
+        monkeypatch.setattr(decode_attention_triton, "decode_attention", broken)
     model_dir = make_tiny_model(tmp_path / arch, arch=arch, seed=0, head_dim=64,
                                 hidden_size=128, num_attention_heads=4, with_tokenizer=False)
     runner = ModelRunner(model_dir, device="cuda", dtype="bfloat16")
@@ -52,7 +59,8 @@ def test_native_decode_matches_hf_forward(tmp_path, arch, monkeypatch):
         logits = runner.decode([s[-1] for s in seqs], routes=False).logits
         ref = hf_next_logprobs(runner.model, seqs)
         assert (torch.log_softmax(logits, -1) - ref).abs().max() < 0.1, step
-    assert runner.native.flash, "FlashAttention decode failed its check against the fp32 path"
+    assert runner.native.flash, "fast decode attention failed its check against the fp32 path"
+    assert runner.native.split_attention != split_fails, "split-K attention's probe"
     assert runner.native.grouped_experts == (arch == "qwen3_moe"), "grouped experts' probe"
 
 
