@@ -96,6 +96,28 @@ def case(layout: str, rows: int, context: int, padded: bool, seed: int = 0) -> d
     return out
 
 
+def tiling_sweep() -> dict[str, float]:
+    """The main kernel's (keys per step, warps, stages) on the dense layout, 512 rows of ~1,024
+    tokens: microseconds per call of each."""
+    heads, kv_heads = LAYOUTS["dense"]
+    rows, capacity = 512, 2304
+    q = torch.randn(rows, heads, 128, device="cuda", dtype=torch.bfloat16)
+    keys = torch.randn(rows, capacity, kv_heads, 128, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    rng = random.Random(1)
+    used = torch.tensor([max(1, min(capacity - 2, round(rng.lognormvariate(math.log(1024), 0.5))))
+                         for _ in range(rows)], dtype=torch.int32, device="cuda")
+    out = {}
+    for tiling in ((64, 4, 2), (64, 4, 3), (32, 4, 2), (64, 8, 2), (128, 8, 2), (128, 4, 2)):
+        try:
+            out[str(tiling)] = cuda_us(lambda tiling=tiling: decode_attention(
+                q, keys, values, used, 0.1, tiling=tiling))
+        except Exception as err:  # noqa: BLE001 (a tiling that does not compile: say so)
+            out[str(tiling)] = f"failed: {str(err)[:200]}"
+        print(f"tiling {tiling}: {out[str(tiling)]}", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("decode_attention.json"))
@@ -116,8 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
                                       for k, v in r.items()}), flush=True)
                     torch.cuda.empty_cache()
+    tilings = tiling_sweep()
     args.out.write_text(json.dumps({"device": torch.cuda.get_device_name(0),
-                                    "copy_bytes_per_s": rate, "cases": results}, indent=1))
+                                    "copy_bytes_per_s": rate, "cases": results,
+                                    "tilings_us": tilings}, indent=1))
     print(f"{'layout':<6}{'rows':>5}{'ctx':>6}{'pad':>5}{'flash us':>10}{'split us':>10}"
           f"{'x':>6}{'flash TB/s':>11}{'split TB/s':>11}")
     for r in results:

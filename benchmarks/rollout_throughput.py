@@ -74,6 +74,18 @@ SHAPES: dict[str, dict[str, Any]] = {
         "num_key_value_heads": 4,
         "head_dim": 32,
     },
+    "tensors": {  # the e2e MoE slice's 3,147 HF tensors (8 layers x 128 experts), tiny ones:
+        "arch": "qwen3_moe",  # a weight sync's per-tensor costs on their own
+        "hidden_size": 64,
+        "num_hidden_layers": 8,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 32,
+        "vocab_size": 512,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    },
     "dense": {
         "arch": "qwen3",
         "hidden_size": 1024,

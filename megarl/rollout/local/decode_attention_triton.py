@@ -135,15 +135,16 @@ def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     used: torch.Tensor, scale: float, splits: int | None = None
-                     ) -> torch.Tensor:
+                     used: torch.Tensor, scale: float, splits: int | None = None,
+                     tiling: tuple[int, int, int] = (BLOCK_N, 4, 2)) -> torch.Tensor:
     """Softmax attention of one query token per row over that row's first ``used[r]`` cached
     tokens.
 
     ``q``: ``[rows, heads, head_dim]``; ``keys``/``values``: ``[rows_cap, length, kv_heads,
     head_dim]`` (row ``r`` of ``q`` reads row ``r`` of the cache); ``used``: ``[rows]`` int32,
     each at least 1. Returns ``[rows, heads, head_dim]`` in ``q``'s dtype. ``splits``: key
-    splits per row (default: :func:`num_splits` for the device).
+    splits per row (default: :func:`num_splits` for the device); ``tiling``: keys per inner
+    step, warps and pipeline stages of the main kernel (benchmarks/decode_attention.py).
     """
     if not decode_attention_supported(q, keys) or keys.shape != values.shape:
         raise ValueError(f"decode_attention: q {tuple(q.shape)} {q.dtype}, cache "
@@ -155,8 +156,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     group = heads // kv_heads
     if splits is None:
         splits = num_splits(rows, kv_heads, length, _programs(q.device))
+    block_n, warps, stages = tiling
     chunk = -(-length // splits)
-    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    chunk = -(-chunk // block_n) * block_n
     splits = -(-length // chunk)
     out = torch.empty_like(q)
     block_d = triton.next_power_of_2(dim)
@@ -173,8 +175,8 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), *o_strides, *lse_strides,
         out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim,
-        BLOCK_D=block_d, BLOCK=BLOCK_N, SPLITS=splits, F32_DOT=_INTERPRET, num_warps=4,
-        num_stages=2)
+        BLOCK_D=block_d, BLOCK=block_n, SPLITS=splits, F32_DOT=_INTERPRET, num_warps=warps,
+        num_stages=stages)
     if splits > 1:
         _combine_kernel[(rows, heads)](
             partial, lse, out, *o_strides, *lse_strides, out.stride(0), out.stride(1), HEAD_DIM=dim,
