@@ -520,6 +520,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
                         "0: all); the ratio is then one of step tokens/s")
     p.add_argument("--trl-micro-batch", type=int, default=8,
                    help="TRL's per_device_train_batch_size (its default, 8)")
+    p.add_argument("--trl-generation-batch", type=int, default=0,
+                   help="rows per HF generate call in TRL (0: the most whose KV cache fits)")
     p.add_argument("--trl-warmup", type=int, default=None, help="TRL's untimed steps (--warmup)")
     p.add_argument("--trl-steps", type=int, default=None, help="TRL's timed steps (--steps)")
     p.add_argument("--router-replay", choices=["disabled", "R3"], default="disabled",

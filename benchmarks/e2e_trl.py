@@ -73,7 +73,11 @@ def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) 
         weights = sum(f.stat().st_size for f in model.glob("*.safetensors"))
         budget = 0.85 * total - 4 * weights - 6e9
     longest = args.prompt_len[1] + args.max_response + 1
-    gen_batch = generation_batch(samples, micro, args.n, kv_bytes_per_row(model, longest), budget)
+    gen_batch = args.trl_generation_batch or generation_batch(
+        samples, micro, args.n, kv_bytes_per_row(model, longest), budget)
+    if samples % gen_batch or gen_batch % math.lcm(micro, args.n):
+        return {"failed": f"--trl-generation-batch {gen_batch} must divide the {samples} samples "
+                          f"and be a multiple of the micro-batch {micro} and the group {args.n}"}
     steps = args.trl_warmup + args.trl_steps
     spec = {"model": str(model), "prompts": str(trl_rows), "n": args.n, "median": args.median,
             "sigma": args.sigma, "max_response": args.max_response, "out": str(out),

@@ -141,7 +141,7 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
     env.pop("MEGARL_FAIL_AT")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_step.py"), "--smoke",
                            "--shape", "moe", "--megarl", "off", "--trl-prompts", "3",
-                           "--out", str(tmp_path)],
+                           "--trl-generation-batch", "2", "--out", str(tmp_path)],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -157,7 +157,8 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
     assert both["trained_response_length"] == pytest.approx(sum(forced) / len(forced), abs=1e-9)
     # TRL's step ran the first 3 of the 4 prompts (--trl-prompts 3): their forced lengths + EOS
     trl_forced = forced[:3 * 2]
-    assert both["trl_prompts"] == 3 and both["trl_generation_batch"] == 6
+    # three HF generate calls of one group each (--trl-generation-batch 2)
+    assert both["trl_prompts"] == 3 and both["trl_generation_batch"] == 2
     assert both["trl_mean_completion_length"] == pytest.approx(
         sum(trl_forced) / len(trl_forced) + 1, abs=1e-3)
     assert both["trl_expected_completion_length"] == pytest.approx(
