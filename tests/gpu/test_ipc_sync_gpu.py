@@ -75,7 +75,7 @@ def test_a_large_model_arrives_bit_exact_over_cuda_ipc(model_dir, tmp_path, layo
         total = sum(t.numel() * 2 for _, t in named)
         assert total > 0.7e9
         plan = plan_buckets([(n, list(t.shape)) for n, t in named], "bfloat16", 256)
-        sender = ColocatedSender(0, 1, [server.url], 1)
+        sender = ColocatedSender(0, 1, [server.url], 1, zero_copy=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
         sent = sender.send(iter(named), plan, torch.device("cuda"), "ipc-1")

@@ -56,7 +56,7 @@ def send_on_rank(model_dir: str, urls: list[str], gpus_per_engine: int, scale: f
         bucket_mb = sum(t.numel() * t.element_size() for _, t in named) / 3 / 2**20
     plan = plan_buckets([(n, list(t.shape)) for n, t in named], "float32", bucket_mb)
     assert len(plan) >= 3  # several buckets, so two buffers take turns
-    sender = ColocatedSender(rank, dist.get_world_size(), urls, gpus_per_engine)
+    sender = ColocatedSender(rank, dist.get_world_size(), urls, gpus_per_engine, zero_copy=True)
     try:
         return sender.send(iter(named), plan, torch.device("cpu"), "v7"), sender.posts
     finally:
