@@ -83,19 +83,24 @@ def flatten_into(buffer: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]
                  ) -> dict[str, Any]:
     """Copy ``named`` into the front of the flat uint8 ``buffer``; the payload viewing it. Each
     tensor starts at a multiple of its element size (zero padding before it when needed), so
-    SGLang's ``.view(dtype)`` of its slice works; tensors of one dtype get no padding."""
-    metadata, end = [], 0
-    for name, tensor in named:
-        meta = tensor_meta(name, tensor, _aligned(end, tensor.element_size()))
-        if meta.end_idx > buffer.numel():
-            raise ValueError(f"bucket buffer of {buffer.numel()} bytes cannot hold {name} "
-                             f"(needs {meta.end_idx})")
-        if meta.start_idx > end:
-            buffer[end:meta.start_idx].zero_()
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buffer[meta.start_idx:meta.end_idx].copy_(flat, non_blocking=True)
-        metadata.append(meta)
-        end = meta.end_idx
+    SGLang's ``.view(dtype)`` of its slice works; tensors of one dtype get no padding. The
+    copies are one ``torch.cat`` of the tensors' bytes (a few kernels for thousands of tensors,
+    where a copy per tensor cost ~15 us each on the CPU: benchmarks/colocated_sync.py)."""
+    metadata, pieces, end = [], [], 0
+    with torch.no_grad():
+        for name, tensor in named:
+            meta = tensor_meta(name, tensor, _aligned(end, tensor.element_size()))
+            if meta.end_idx > buffer.numel():
+                raise ValueError(f"bucket buffer of {buffer.numel()} bytes cannot hold {name} "
+                                 f"(needs {meta.end_idx})")
+            if meta.start_idx > end:
+                pieces.append(buffer.new_zeros(meta.start_idx - end))
+            flat = tensor.to(buffer.device, non_blocking=True).reshape(-1)  # (a copy if strided)
+            pieces.append(flat.view(torch.uint8))
+            metadata.append(meta)
+            end = meta.end_idx
+        if pieces:
+            torch.cat(pieces, out=buffer[:end])
     return {"flattened_tensor": buffer[:end], "metadata": metadata}
 
 

@@ -156,6 +156,33 @@ def test_megarl_aligns_mixed_dtypes_and_pads_nothing_for_one() -> None:
     assert flat["flattened_tensor"].numel() == sum(t.numel() * 2 for _, t in one)
 
 
+def test_flatten_into_copies_every_kind_of_tensor_bit_exactly() -> None:
+    """The bucket's bytes are one ``torch.cat``: strided views, 0-dim tensors, tensors that
+    require grad, FP8 and mixed dtypes (zero padding between) all land at their records, and
+    SGLang-style slicing reads each back bit for bit; the padding bytes are zero."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(6, 10, generator=g)
+    named = [("a.t", weight.t()), ("b.half", torch.randn(3, generator=g).half()),
+             ("c.grad", torch.randn(4, 5, generator=g, requires_grad=True)),
+             ("d.scalar", torch.tensor(2.5, dtype=torch.float64)),
+             ("e.fp8", torch.randn(8, 16, generator=g).to(torch.float8_e4m3fn)),
+             ("f.rows", weight[::2]), ("g.bf16", torch.randn(7, generator=g).bfloat16())]
+    buffer = torch.full((payload.flattened_size(named) + 16,), 255, dtype=torch.uint8)
+    out = payload.flatten_into(buffer, named)
+    flat, records = out["flattened_tensor"], out["metadata"]
+    assert flat.numel() == payload.flattened_size(named)
+    covered = torch.zeros(flat.numel(), dtype=torch.bool)
+    for (name, tensor), meta in zip(named, records):
+        assert meta.name == name and meta.start_idx % tensor.element_size() == 0
+        got = flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(meta.shape)
+        want = tensor.detach().contiguous()
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+        covered[meta.start_idx:meta.end_idx] = True
+    assert (~covered).any() and not flat[~covered].any()  # padding exists and is zero
+    with pytest.raises(ValueError, match="cannot hold g.bf16"):
+        payload.flatten_into(buffer[:flat.numel() - 1], named)
+
+
 class _Rebuild:
     def __init__(self, fn: object, *args: object) -> None:
         self.fn, self.args = fn, args
