@@ -84,8 +84,9 @@ def flatten_into(buffer: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]
     """Copy ``named`` into the front of the flat uint8 ``buffer``; the payload viewing it. Each
     tensor starts at a multiple of its element size (zero padding before it when needed), so
     SGLang's ``.view(dtype)`` of its slice works; tensors of one dtype get no padding. The
-    copies are one ``torch.cat`` of the tensors' bytes (a few kernels for thousands of tensors,
-    where a copy per tensor cost ~15 us each on the CPU: benchmarks/colocated_sync.py)."""
+    copies are one ``torch.cat`` of the tensors' bytes: on CUDA a few batched kernels for a
+    bucket of thousands of tensors, where a copy per tensor launched one each (on the CPU, with
+    the e2e MoE slice's 3,147 tensors, 1.1-1.2x faster than that loop)."""
     metadata, pieces, end = [], [], 0
     with torch.no_grad():
         for name, tensor in named:
