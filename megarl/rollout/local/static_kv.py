@@ -11,10 +11,10 @@ used at once; only the attention and the layer loop are its own:
   rows' final lengths; it grows (by copy) when rows or lengths outgrow it;
 - prefill runs the new prompts right-padded with causal SDPA (padding is invisible to the real
   tokens) and hands back their K/V as a :class:`PrefillKV`;
-- decode writes each row's new K/V at its own position and attends with FlashAttention's
-  varlen kernel limited to each row's length (``seqused_k``), or with an fp32 softmax over the
-  slots' first columns (CPU, and a fallback); on CUDA the whole decode step (all layers, the LM
-  head, the routing records) is captured in a CUDA graph per row-count bucket.
+- decode writes each row's new K/V at its own position and attends over the row's length with
+  the split-K Triton kernel (decode_attention_triton.py), else FlashAttention's varlen kernel, or
+  an fp32 softmax over the slots' first columns (CPU, and a fallback); on CUDA the whole decode
+  step (all layers, the LM head, the routing records) is a CUDA graph per row-count bucket.
 """
 
 from __future__ import annotations
