@@ -20,38 +20,25 @@ import argparse
 import json
 import math
 import random
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from colocated_sync import copy_rate
+from profile_decode import cuda_ms
 
 from megarl.rollout.local.decode_attention_triton import decode_attention, num_splits
 
 LAYOUTS = {"dense": (16, 8), "moe": (32, 4)}
 
 
-def cuda_us(fn, repeats: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def copy_rate() -> float:
-    """Bytes per second one device copy of 1 GiB moves (each byte read once, written once)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return src.numel() / (cuda_us(lambda: dst.copy_(src)) / 1e6)
+def cuda_us(fn, repeats: int = 20) -> float:
+    """Median microseconds of ``fn`` between CUDA events."""
+    return cuda_ms(fn, repeats=repeats) * 1e3
 
 
 def case(layout: str, rows: int, context: int, padded: bool, seed: int = 0) -> dict:
@@ -124,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="*", default=[8, 64, 512])
     p.add_argument("--contexts", type=int, nargs="*", default=[512, 1024, 2048])
     args = p.parse_args(argv)
-    rate = copy_rate()
+    rate = copy_rate(1 << 30, "cuda")
     print(f"copy rate {rate / 1e12:.2f} TB/s", flush=True)
     results = []
     for layout in LAYOUTS:

@@ -28,15 +28,19 @@ def kv_bytes_per_row(model: Path, tokens: int) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2 * tokens
 
 
+def generation_batches(samples: int, micro: int, n: int) -> list[int]:
+    """The rows of one HF ``generate`` call that TRL accepts (``generation_batch_size``): those
+    that divide the step's ``samples`` and are multiples of the micro-batch and the group."""
+    step = math.lcm(micro, n)
+    return [g for g in range(step, samples + 1, step) if samples % g == 0]
+
+
 def generation_batch(samples: int, micro: int, n: int, row_bytes: int,
                      budget_bytes: float | None) -> int:
-    """The rows of one HF ``generate`` call: the largest that divides ``samples``, is a multiple
-    of TRL's micro-batch and of the group size (TRL's rules for ``generation_batch_size``), and
-    whose KV cache fits ``budget_bytes`` (None: no limit, e.g. on the CPU). TRL's default, every
-    sample of the step in one call, would hold 512 rows x 2,561 tokens of KV cache: 150 GB for
-    the dense shape."""
-    step = math.lcm(micro, n)
-    allowed = [g for g in range(step, samples + 1, step) if samples % g == 0]
+    """The largest of :func:`generation_batches` whose KV cache fits ``budget_bytes`` (None: no
+    limit, e.g. on the CPU). TRL's default, every sample of the step in one call, would hold 512
+    rows x 2,561 tokens of KV cache: 150 GB for the dense shape."""
+    allowed = generation_batches(samples, micro, n)
     if not allowed:
         raise ValueError(f"TRL: {samples} samples per step cannot be split into generation "
                          f"batches of multiples of the micro-batch {micro} and the group {n}")
@@ -63,9 +67,11 @@ def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) 
     trl_rows = out / "prompts.jsonl"
     trl_rows.write_text("\n".join(rows[:prompts]) + "\n")
     samples, micro = prompts * args.n, args.trl_micro_batch
-    if samples % micro:
-        return {"failed": f"--trl-micro-batch {micro} must divide the {samples} samples of "
-                          f"TRL's step ({prompts} prompts x {args.n})"}
+    allowed = generation_batches(samples, micro, args.n)
+    if not allowed or args.trl_generation_batch not in (0, *allowed):
+        return {"failed": f"TRL's step of {samples} samples ({prompts} prompts x {args.n}) "
+                          f"takes generation batches {allowed} with --trl-micro-batch {micro}; "
+                          f"got --trl-generation-batch {args.trl_generation_batch}"}
     budget = None
     if args.device == "cuda":  # what is left for the KV cache next to the weights, their
         # gradients and two Adam moments (bf16, as TRL keeps them) and ~6 GB of activations
@@ -75,9 +81,6 @@ def run_trl(args: argparse.Namespace, shape: str, model: Path, rows_path: Path) 
     longest = args.prompt_len[1] + args.max_response + 1
     gen_batch = args.trl_generation_batch or generation_batch(
         samples, micro, args.n, kv_bytes_per_row(model, longest), budget)
-    if samples % gen_batch or gen_batch % math.lcm(micro, args.n):
-        return {"failed": f"--trl-generation-batch {gen_batch} must divide the {samples} samples "
-                          f"and be a multiple of the micro-batch {micro} and the group {args.n}"}
     steps = args.trl_warmup + args.trl_steps
     spec = {"model": str(model), "prompts": str(trl_rows), "n": args.n, "median": args.median,
             "sigma": args.sigma, "max_response": args.max_response, "out": str(out),

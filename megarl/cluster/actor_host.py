@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from megarl import net
 from megarl.cluster.errors import RankFailure, WorkerError
 from megarl.cluster.logs import STACK_DUMP_SIGNAL, redirect_output, tail_lines
 from megarl.cluster.worker import Worker, WorkerClass, WorkerInfo, worker_class
@@ -69,9 +70,7 @@ class WorkerHost:
 
     def free_port(self) -> int:
         """A TCP port free on this node a moment ago (rank 0 picks the rendezvous port)."""
-        from megarl.net import free_port
-
-        return free_port("0.0.0.0")
+        return net.free_port("0.0.0.0")
 
     def setup(self, info: WorkerInfo, echo: bool) -> None:
         """Take the rank, export the torchrun-style environment, redirect output to the log."""

@@ -5,26 +5,12 @@ test`` installs beside the venv (see tests/rollout/test_fp8_moe_interpreted.py).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-TRITON = Path(sys.prefix) / "triton-interpreter"
+from tests.rollout.interpreted import result, run_child
 
 CHILD = """
-import json, traceback
 import decode_attention_checks as c
-
-def part(name, fn):
-    try:
-        print(json.dumps({name: fn()}))
-    except Exception:
-        print(json.dumps({name: "FAILED " + traceback.format_exc()}))
 
 for splits in (None, 1, 2, 5):
     part(f"reference_{splits}", lambda: c.check_matches_reference("cpu", splits))
@@ -39,25 +25,7 @@ part("num_splits", lambda: [MIN_CHUNK, num_splits(512, 8, 2560, 264), num_splits
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    if not (TRITON / "triton").is_dir():
-        pytest.skip(f"no Triton for the interpreter at {TRITON} (make test installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(TRITON), str(TESTS), os.environ.get("PYTHONPATH",
-                                                                                   "")])}
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    parts = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            parts.update(json.loads(line))
-    return parts
-
-
-def result(report: dict, name: str):
-    value = report[name]
-    assert not (isinstance(value, str) and value.startswith("FAILED")), value
-    return value
+    return run_child(CHILD)
 
 
 @pytest.mark.parametrize("splits", [None, 1, 2, 5])

@@ -7,27 +7,14 @@ would pay for importing it); each test reads its part of the child's report."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-TESTS = Path(__file__).resolve().parent
-TRITON = Path(sys.prefix) / "triton-interpreter"
+from tests.rollout.interpreted import result, run_child
 
 CHILD = """
-import json, torch, traceback
+import torch
 import fp8_moe_checks as c
 from megarl.rollout.local import fp8_layers as f, fp8_moe_triton as t
-
-def part(name, fn):
-    try:
-        print(json.dumps({name: fn()}))
-    except Exception:
-        print(json.dumps({name: "FAILED " + traceback.format_exc()}))
 
 def probe(patch):
     original = t.fp8_moe
@@ -56,25 +43,7 @@ for patch in ("none", "failing", "wrong"):
 
 @pytest.fixture(scope="module")
 def report() -> dict:
-    if not (TRITON / "triton").is_dir():
-        pytest.skip(f"no Triton for the interpreter at {TRITON} (make test installs it)")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(TRITON), str(TESTS), os.environ.get("PYTHONPATH",
-                                                                                   "")])}
-    done = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    parts = {}
-    for line in done.stdout.splitlines():
-        if line.startswith("{"):
-            parts.update(json.loads(line))
-    return parts
-
-
-def result(report: dict, name: str):
-    value = report[name]
-    assert not (isinstance(value, str) and value.startswith("FAILED")), value
-    return value
+    return run_child(CHILD)
 
 
 def test_sort_by_expert_groups_every_pair_once(report):
