@@ -9,7 +9,9 @@ the engine's capacity, and rows padded to the decode-graph bucket (``--padded``:
 the rows at the scratch column, as the engine's graphs run them). Reported: microseconds per
 call (median of CUDA events), the K/V bytes the rows' tokens hold, and that over the time (the
 bandwidth each kernel reaches; the HBM copy rate is measured in the same run), and the largest
-difference between the two outputs.
+difference between the two outputs. ``paged``: the split kernel over the same tokens in a page
+pool (kv_cache.PagedKVCache's layout, the pages shuffled) through a page table, as the engine
+runs it now; ``paged_over_split`` is its speed against the rectangle's.
 
     python benchmarks/decode_attention.py --out /tmp/decode_attention.json
 """
@@ -32,6 +34,7 @@ from colocated_sync import copy_rate
 from profile_decode import cuda_ms
 
 from megarl.rollout.local.decode_attention_triton import decode_attention, num_splits
+from megarl.rollout.local.kv_cache import PAGE_SIZE
 
 LAYOUTS = {"dense": (16, 8), "moe": (32, 4)}
 
@@ -67,19 +70,33 @@ def case(layout: str, rows: int, context: int, padded: bool, seed: int = 0) -> d
     def split():
         return decode_attention(q, keys, values, used_t, scale)
 
+    # the same tokens in the engine's page pool, its pages shuffled (a row's pages lie anywhere)
+    cols = capacity // PAGE_SIZE
+    order = torch.randperm(rows * cols, device="cuda")  # pool page i holds rectangle page order[i]
+    where = torch.empty_like(order)
+    where[order] = torch.arange(rows * cols, device="cuda")
+    table = where.view(rows, cols).to(torch.int32)
+    pool_k, pool_v = (t.view(rows * cols, PAGE_SIZE, kv_heads, dim)[order] for t in (keys, values))
+
+    def paged():
+        return decode_attention(q, pool_k, pool_v, used_t, scale, pages=table)
+
     token_bytes = 2 * kv_heads * dim * 2
     kv_bytes = sum(used) * token_bytes
     out = {"layout": layout, "rows": rows, "context": context, "padded": padded,
            "capacity": capacity, "kv_gb": kv_bytes / 1e9,
            "splits": num_splits(rows, kv_heads, capacity,
                                 2 * torch.cuda.get_device_properties(0).multi_processor_count),
-           "max_abs_diff": float((flash(used_t).float() - split().float()).abs().max())}
+           "max_abs_diff": float((flash(used_t).float() - split().float()).abs().max()),
+           "paged_max_abs_diff": float((paged().float() - split().float()).abs().max())}
     out["flash_us"] = cuda_us(flash)
     out["flash_same_rows_us"] = cuda_us(lambda: flash(used_t))
     out["split_us"] = cuda_us(split)
-    for name in ("flash", "flash_same_rows", "split"):
+    out["paged_us"] = cuda_us(paged)
+    for name in ("flash", "flash_same_rows", "split", "paged"):
         out[f"{name}_tb_per_s"] = kv_bytes / (out[f"{name}_us"] / 1e6) / 1e12
     out["speedup"] = out["flash_us"] / out["split_us"]
+    out["paged_over_split"] = out["split_us"] / out["paged_us"]
     return out
 
 
@@ -130,11 +147,12 @@ def main(argv: list[str] | None = None) -> int:
                                     "copy_bytes_per_s": rate, "cases": results,
                                     "tilings_us": tilings}, indent=1))
     print(f"{'layout':<6}{'rows':>5}{'ctx':>6}{'pad':>5}{'flash us':>10}{'split us':>10}"
-          f"{'x':>6}{'flash TB/s':>11}{'split TB/s':>11}")
+          f"{'x':>6}{'flash TB/s':>11}{'split TB/s':>11}{'paged us':>10}{'paged x':>8}")
     for r in results:
         print(f"{r['layout']:<6}{r['rows']:>5}{r['context']:>6}{str(r['padded'])[0]:>5}"
               f"{r['flash_us']:>10.1f}{r['split_us']:>10.1f}{r['speedup']:>6.2f}"
-              f"{r['flash_tb_per_s']:>11.2f}{r['split_tb_per_s']:>11.2f}")
+              f"{r['flash_tb_per_s']:>11.2f}{r['split_tb_per_s']:>11.2f}{r['paged_us']:>10.1f}"
+              f"{r['paged_over_split']:>8.2f}")
     return 0
 
 

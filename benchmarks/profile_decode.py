@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     tokens = [5] * args.rows
     for _ in range(3):  # fast-path check, graph capture
         logits = runner.decode(tokens, False).logits
-    graph = native._graphs[min(native._graphs)] if native._graphs else None
+    graph = native.graphs.captured[min(native.graphs.captured)] if native.graphs.captured else None
     result: dict[str, float | str | bool | None] = {
         "shape": args.shape, "rows": args.rows, "prompt_len": args.prompt_len,
         "quantization": args.quantization, "baseline": args.baseline,
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ids = torch.tensor(tokens, device=native.device)
     span = native._longest() + 1
     result.update({f"eager_{k}": v for k, v in kernel_table(
-        lambda: native._step(ids, positions, span,
+        lambda: native.step(ids, positions, span,
                              None if fused is None else (fused.temperatures, fused.seeds)),
         out / f"kernels_{tag}_step.txt").items()})
     result.update({f"sample_{k}": v for k, v in kernel_table(

@@ -233,8 +233,8 @@ def native_state(native) -> dict[str, Any]:
     """What the native decoder actually ran with: its fast paths, and whether its decode steps
     ran as CUDA graphs (``cuda_graphs`` turns off after a failed capture)."""
     return {"flash_decode": native.flash, "fast_kernels": native.fast_kernels,
-            "cuda_graphs": native.use_graphs, "capture_failures": native.capture_failures,
-            "graphs_captured": len(native._graphs)}
+            "cuda_graphs": native.use_graphs, "capture_failures": native.graphs.capture_failures,
+            "graphs_captured": len(native.graphs.captured)}
 
 
 def measure(

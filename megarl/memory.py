@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import re
 import subprocess
@@ -35,6 +36,8 @@ from collections.abc import Iterator
 import torch
 
 from megarl.faults import oom_point
+
+logger = logging.getLogger(__name__)
 
 GB = 1024**3
 
@@ -267,3 +270,23 @@ def _parse(traceback_text: str) -> PhaseOutOfMemory | None:
             if match:
                 return PhaseOutOfMemory(*match.groups())
     return None
+
+
+def log_held_device_memory(device: torch.device, threshold: int = 1 << 30) -> None:
+    """After a full release: what this process still holds on ``device`` (allocated and
+    reserved), and above ``threshold`` bytes the largest live tensors there (shape, dtype), so
+    an engine that keeps memory while the actor trains says what it keeps."""
+    allocated = torch.cuda.memory_allocated(device)
+    reserved = torch.cuda.memory_reserved(device)
+    held = ""
+    if allocated > threshold:
+        tensors = {}
+        for obj in gc.get_objects():
+            if isinstance(obj, torch.Tensor) and obj.device == device:
+                storage = obj.untyped_storage()
+                tensors[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), obj.dtype)
+        top = sorted(tensors.values(), key=lambda t: -t[0])[:8]
+        held = "; largest live tensors: " + ", ".join(
+            f"{shape} {dtype} {nbytes / 2**30:.2f} GiB" for nbytes, shape, dtype in top)
+    logger.info("released: this process holds %.2f GiB allocated, %.2f GiB reserved on %s%s",
+                allocated / 2**30, reserved / 2**30, device, held)

@@ -24,6 +24,11 @@ def test_decode_attention_equals_fp32_attention(splits):
     c.check_matches_reference("cuda", splits)
 
 
+@pytest.mark.parametrize("page, splits", [(16, None), (64, None), (64, 1), (64, 3)])
+def test_paged_attention_equals_the_rectangle_and_fp32(page, splits):
+    c.check_paged("cuda", page=page, splits=splits)
+
+
 def test_one_split_and_many_agree_and_the_e2e_layouts():
     c.check_splits_agree("cuda")
     c.check_qwen_shapes("cuda")

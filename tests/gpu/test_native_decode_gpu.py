@@ -91,5 +91,5 @@ def test_decode_graphs_are_captured_again_after_the_kv_cache_grows(tmp_path):
         logits = runner.decode([s[-1] for s in seqs], routes=False).logits
         ref = hf_next_logprobs(runner.model, seqs)
         assert (torch.log_softmax(logits, -1) - ref).abs().max() < 0.1, step
-    assert native.capture_failures == 0
-    assert native.use_graphs and len(native._graphs) == 1  # the 4-row bucket, captured anew
+    assert native.graphs.capture_failures == 0
+    assert native.use_graphs and len(native.graphs.captured) == 1  # the 4-row bucket, captured anew

@@ -68,6 +68,34 @@ def check_qwen_shapes(device: str) -> float:
     return worst
 
 
+def check_paged(device: str, page: int = 16, splits: int | None = None) -> float:
+    """Page pools and a page table: each row's tokens scattered over pages in shuffled order
+    (rows sharing none); equal to the rectangle the same tokens make, and to fp32 attention.
+    Table entries past a row's pages point at page 0, which holds huge values."""
+    used = [1, page - 1, page, page + 1, 5 * page + 3]
+    q, keys, values, used_t = _inputs(device, len(used), 8, 2, 64, 6 * page, used, seed=3)
+    cols = keys.shape[1] // page
+    order = torch.randperm(len(used) * cols, generator=torch.Generator().manual_seed(4)) + 1
+    table = torch.zeros(len(used) + 2, cols, dtype=torch.int32)  # two spare rows, all page 0
+    pool_k = torch.full((len(order) + 1, page, *keys.shape[2:]), 3e4, dtype=keys.dtype)
+    pool_v = torch.full_like(pool_k, -3e4)
+    for r, n in enumerate(used):
+        for c in range(-(-n // page)):
+            table[r, c] = order[r * cols + c]
+            pool_k[table[r, c]] = keys[r, c * page:(c + 1) * page].cpu()
+            pool_v[table[r, c]] = values[r, c * page:(c + 1) * page].cpu()
+    pool_k, pool_v, table = pool_k.to(device), pool_v.to(device), table.to(device)
+    scale = 64 ** -0.5
+    got = t.decode_attention(q, pool_k, pool_v, used_t, scale, splits=splits, pages=table)
+    rect = t.decode_attention(q, keys, values, used_t, scale, splits=splits)
+    ref = t.reference_decode_attention(q, pool_k, pool_v, used_t, scale, pages=table)
+    torch.testing.assert_close(ref, t.reference_decode_attention(q, keys, values, used_t, scale))
+    torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1.6e-2, msg=f"splits={splits}")
+    err = float((got.float() - rect.float()).abs().max())
+    assert err < 2e-2, err
+    return err
+
+
 def check_refuses_bad_inputs(device: str) -> str:
     q = torch.zeros(2, 6, 64, dtype=torch.bfloat16, device=device)
     cache = torch.zeros(2, 128, 4, 64, dtype=torch.bfloat16, device=device)  # 6 % 4 != 0
@@ -75,5 +103,15 @@ def check_refuses_bad_inputs(device: str) -> str:
     try:
         t.decode_attention(q, cache, cache, used, 1.0)
     except ValueError as err:
-        return str(err)
-    raise AssertionError("6 query heads over 4 KV heads was accepted")
+        message = str(err)
+    else:
+        raise AssertionError("6 query heads over 4 KV heads was accepted")
+    good = torch.zeros(2, 8, 64, dtype=torch.bfloat16, device=device)
+    for pages in (torch.zeros(2, 4, dtype=torch.int64, device=device),  # not int32
+                  torch.zeros(1, 4, dtype=torch.int32, device=device)):  # fewer rows than q
+        try:
+            t.decode_attention(good, cache, cache, used, 1.0, pages=pages)
+        except ValueError:
+            continue
+        raise AssertionError(f"a page table {tuple(pages.shape)} {pages.dtype} was accepted")
+    return message

@@ -16,6 +16,8 @@ for splits in (None, 1, 2, 5):
     part(f"reference_{splits}", lambda: c.check_matches_reference("cpu", splits))
 part("splits_agree", lambda: c.check_splits_agree("cpu"))
 part("qwen_shapes", lambda: c.check_qwen_shapes("cpu"))
+for splits in (None, 1, 3):
+    part(f"paged_{splits}", lambda: c.check_paged("cpu", splits=splits))
 part("refuses", lambda: c.check_refuses_bad_inputs("cpu"))
 from megarl.rollout.local.decode_attention_triton import MIN_CHUNK, num_splits
 part("num_splits", lambda: [MIN_CHUNK, num_splits(512, 8, 2560, 264), num_splits(4, 4, 2560, 264),
@@ -39,6 +41,11 @@ def test_one_split_and_many_agree(report):
 
 def test_the_e2e_shapes_head_layouts(report):
     print("largest error:", result(report, "qwen_shapes"))
+
+
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_paged_attention_equals_the_rectangle_and_fp32(report, splits):
+    print("largest error against the rectangle:", result(report, f"paged_{splits}"))
 
 
 def test_bad_inputs_are_refused_with_the_shapes(report):

@@ -2,7 +2,9 @@
 ``--mem-fraction-static``, as SGLang sizes its pool): rows are admitted only while the KV cache
 they need at their final lengths fits, nothing is dropped, and a prompt that could never fit is
 refused with the reason. On the H200 the dense e2e shape's engine grew its cache past the device
-(CUDA out of memory in the decode step, HTTP 500) before this budget existed."""
+(CUDA out of memory in the decode step, HTTP 500) before this budget existed. On the native path
+each row holds the pages of its own length (kv_cache.PagedKVCache), so short rows run beside a
+long one where a rectangle of rows x the longest would not fit."""
 
 from __future__ import annotations
 
@@ -14,9 +16,10 @@ import torch
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.engine import LocalEngine, Request
-from megarl.rollout.local.kv_cache import LENGTH_STEP, StaticKVCache, row_bucket
+from megarl.rollout.local.kv_cache import PAGE_SIZE, PagedKVCache, PoolExhausted
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.server import build_parser, kv_token_budget
+from megarl.rollout.local.static_kv import PrefillKV
 from megarl.rollout.server_worker import EngineSpec, engine_command
 
 PROMPT, NEW = 40, 24  # final length 64 per row
@@ -55,11 +58,10 @@ def requests(count: int, n: int = 2, new: int = NEW) -> list[Request]:
 def test_rows_are_admitted_while_their_kv_fits(model_dir, backend):
     runner = ModelRunner(model_dir, backend=backend)
     final = PROMPT + NEW
-    if backend == "native":  # the static cache: rows x (final + 1 scratch, in 256-token steps)
-        per_row = -(-(final + 2) // LENGTH_STEP) * LENGTH_STEP
+    if backend == "native":  # one 64-token page a row, and the pool's scratch page
+        budget = (3 + 1) * PAGE_SIZE  # three rows' pages at a time, of eight
     else:  # the padded batch
-        per_row = final
-    budget = 3 * per_row  # three rows at a time, of eight
+        budget = 3 * final
     engine = LocalEngine(runner, seed=0, max_total_tokens=budget)
     peaks = []
 
@@ -93,20 +95,82 @@ def test_a_prompt_that_can_never_fit_is_refused_and_the_rest_run(model_dir):
     assert [len(s.output_ids) for s in small.future.result()] == [NEW, NEW]
 
 
-def test_static_cache_peak_counts_the_copy_when_it_grows():
-    cache = StaticKVCache(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32,
-                          device=torch.device("cpu"))
-    assert cache.bytes_per_token == 2 * 2 * 2 * 4 * 4
-    assert cache.peak_tokens(3, 100, live_rows=0) == row_bucket(3) * LENGTH_STEP
-    cache.ensure(3, 100, live_rows=0)
-    assert cache.allocated_tokens == 4 * 256
-    assert cache.peak_tokens(4, 200, live_rows=3) == 4 * 256  # fits: nothing new
-    # growing with live rows: old 4 x 256 and new 8 x 512 (length doubles) at once
-    assert cache.peak_tokens(5, 300, live_rows=3) == 4 * 256 + 8 * 512
-    # with no live row the old buffers go first
-    assert cache.peak_tokens(5, 300, live_rows=0) == 8 * 512
-    cache.ensure(5, 300, live_rows=0)
-    assert (cache.rows_cap, cache.len_cap) == (8, 512)
+def test_short_rows_run_beside_a_long_one_in_the_pages_they_need(model_dir):
+    """A long sample (8 pages at its end: the tiny model's 512 positions) and six short ones (1
+    page each) all run at once in a budget of 15 pages with the scratch page: a rectangle of 7
+    rows x the long one's length would need 56. Every sample runs to its length and the pool never holds more than the
+    budget."""
+    runner = ModelRunner(model_dir, backend="native")
+    long_new = 8 * PAGE_SIZE - PROMPT
+    budget = (8 + 6 + 1) * PAGE_SIZE
+    engine = LocalEngine(runner, seed=0, max_total_tokens=budget)
+    reqs = requests(1, n=1, new=long_new) + requests(3, n=2)
+    held = []
+    seen = drive(engine, reqs, lambda: held.append(runner.kv_allocated_tokens))
+    assert max(seen) == 7
+    assert max(held) <= budget
+    assert [len(s.output_ids) for s in reqs[0].future.result()] == [long_new]
+    for r in reqs[1:]:
+        assert [len(s.output_ids) for s in r.future.result()] == [NEW, NEW]
+    # one page fewer and one short row waits for the others to finish
+    engine = LocalEngine(ModelRunner(model_dir, backend="native"), seed=0,
+                         max_total_tokens=budget - PAGE_SIZE)
+    assert max(drive(engine, requests(1, n=1, new=long_new) + requests(3, n=2),
+                     lambda: None)) == 5
+
+
+def cache(page_size: int = 4) -> PagedKVCache:
+    return PagedKVCache(layers=2, kv_heads=2, head_dim=4, dtype=torch.float32,
+                        device=torch.device("cpu"), page_size=page_size)
+
+
+def test_paged_cache_counts_its_peak_and_gives_pages_back():
+    kv = cache()
+    assert kv.bytes_per_token == 2 * 2 * 2 * 4 * 4
+    assert kv.peak_tokens(5, pool=None) == (5 + 1) * 4  # the pages and the scratch page
+    assert kv.peak_tokens(5, pool=20) == (20 + 1) * 4  # a budget: the pool is allocated at it
+    kv.ensure_pool(5)
+    kv.ensure_table(3, 12)
+    kv.add_rows([9, 4, 1])  # 3 + 1 + 1 pages
+    assert kv.free_pages == 0 and kv.peak_tokens(5, pool=None) == 6 * 4
+    # growing with live pages: the old pool (6 pages) and the new one (2 x 5 + 1) at once
+    assert kv.peak_tokens(6, pool=None) == 6 * 4 + 11 * 4
+    with pytest.raises(PoolExhausted, match="1 more KV pages; 0 are free"):
+        kv.extend([1], [5])
+    assert kv.row_pages[1] == [4]  # nothing taken
+    kv.keep([2, 0])  # row 1's page goes back; rows move in the table, their K/V stays
+    assert kv.free_pages == 1 and kv.row_pages == [[5], [1, 2, 3]]
+    assert kv.table[:2, :3].tolist() == [[5, 0, 0], [1, 2, 3]] and not kv.table[2:].any()
+    kv.extend([0], [5])  # row 0 (1 page) to 5 tokens: the free page
+    assert kv.row_pages[0] == [5, 4] and kv.table[0, :2].tolist() == [5, 4]
+    kv.clear()
+    assert kv.free_pages == 5 and not kv.table.any()
+
+
+def test_paged_cache_keeps_prefill_kv_and_page_ids_through_growth():
+    """Prefill K/V written into pages reads back per row (gathered through the table) as it
+    was written, also after the pool grew by copy."""
+    kv = cache(page_size=3)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([7, 2, 5])
+    prefill = PrefillKV([torch.randn(3, 7, 2, 4, generator=g) for _ in range(2)],
+                        [torch.randn(3, 7, 2, 4, generator=g) for _ in range(2)], lengths)
+    kv.ensure_table(3, 7)
+    kv.ensure_pool(6)
+    kv.add_rows(lengths.tolist())
+    kv.write(0, prefill)
+
+    def row_tokens(pool: torch.Tensor, row: int, n: int) -> torch.Tensor:
+        return pool[kv.table[row].long()].flatten(0, 1)[:n]
+
+    for layer in range(2):
+        for row, n in enumerate(lengths.tolist()):
+            assert torch.equal(row_tokens(kv.keys[layer], row, n), prefill.keys[layer][row, :n])
+    before = [row_tokens(kv.values[1], row, n) for row, n in enumerate(lengths.tolist())]
+    assert kv.ensure_pool(8)  # grows (to twice 6 pages), the live pages copied
+    assert kv.pages_cap == 12 and kv.free_pages == 6
+    for row, n in enumerate(lengths.tolist()):
+        assert torch.equal(row_tokens(kv.values[1], row, n), before[row])
 
 
 def test_the_budget_comes_from_the_flags(model_dir):

@@ -1,5 +1,5 @@
-"""Split-K decode attention over :class:`~megarl.rollout.local.kv_cache.StaticKVCache`'s
-``[rows, length, kv_heads, head_dim]`` buffers, for
+"""Split-K decode attention over :class:`~megarl.rollout.local.kv_cache.PagedKVCache`'s page
+pools (or ``[rows, length, kv_heads, head_dim]`` buffers), for
 :class:`~megarl.rollout.local.static_kv.NativeDecoder`'s decode step.
 
 A decode step reads every running row's whole K/V cache for one query token per head: it is
@@ -34,12 +34,12 @@ MIN_CHUNK = 256
 
 
 @triton.jit
-def _partial_kernel(q_ptr, k_ptr, v_ptr, used_ptr, o_ptr, lse_ptr, out_ptr, scale, chunk,
-                    q_row, q_head, k_row, k_tok, k_head, v_row, v_tok, v_head,
+def _partial_kernel(q_ptr, k_ptr, v_ptr, used_ptr, pages_ptr, o_ptr, lse_ptr, out_ptr, scale,
+                    chunk, q_row, q_head, k_row, k_tok, k_head, v_row, v_tok, v_head, pages_row,
                     o_row, o_head, o_split, lse_row, lse_head, out_row, out_head,
                     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                     BLOCK_D: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                    F32_DOT: tl.constexpr):
+                    PAGE: tl.constexpr, F32_DOT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,13 +56,19 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, used_ptr, o_ptr, lse_ptr, out_ptr, scal
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    k_base = k_ptr + row * k_row + kv_head * k_head
-    v_base = v_ptr + row * v_row + kv_head * v_head
     for first in range(start, end, BLOCK):
         t = first + tl.arange(0, BLOCK)
         t_ok = t < end
         kv_ok = t_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_base + t[:, None].to(tl.int64) * k_tok + d[None, :], mask=kv_ok, other=0.0)
+        if PAGE > 0:  # token t of the row is at slot t % PAGE of page pages[row, t // PAGE]
+            page = tl.load(pages_ptr + row * pages_row + t // PAGE, mask=t_ok, other=0)
+            page = page.to(tl.int64)
+            k_at = page * k_row + (t % PAGE).to(tl.int64) * k_tok
+            v_at = page * v_row + (t % PAGE).to(tl.int64) * v_tok
+        else:
+            k_at = row * k_row + t.to(tl.int64) * k_tok
+            v_at = row * v_row + t.to(tl.int64) * v_tok
+        k = tl.load(k_ptr + kv_head * k_head + k_at[:, None] + d[None, :], mask=kv_ok, other=0.0)
         if F32_DOT:  # Triton's interpreter multiplies half floats' bits: the same numbers in fp32
             s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32))) * scale
         else:
@@ -72,7 +78,7 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, used_ptr, o_ptr, lse_ptr, out_ptr, scal
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_base + t[:, None].to(tl.int64) * v_tok + d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_ptr + kv_head * v_head + v_at[:, None] + d[None, :], mask=kv_ok, other=0.0)
         if F32_DOT:
             pv = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32))
         else:
@@ -136,23 +142,36 @@ def decode_attention_supported(q: torch.Tensor, cache: torch.Tensor) -> bool:
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                      used: torch.Tensor, scale: float, splits: int | None = None,
-                     tiling: tuple[int, int, int] = (BLOCK_N, 4, 2)) -> torch.Tensor:
+                     tiling: tuple[int, int, int] = (BLOCK_N, 4, 2),
+                     pages: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of one query token per row over that row's first ``used[r]`` cached
     tokens.
 
     ``q``: ``[rows, heads, head_dim]``; ``keys``/``values``: ``[rows_cap, length, kv_heads,
-    head_dim]`` (row ``r`` of ``q`` reads row ``r`` of the cache); ``used``: ``[rows]`` int32,
-    each at least 1. Returns ``[rows, heads, head_dim]`` in ``q``'s dtype. ``splits``: key
-    splits per row (default: :func:`num_splits` for the device); ``tiling``: keys per inner
-    step, warps and pipeline stages of the main kernel (benchmarks/decode_attention.py).
+    head_dim]`` (row ``r`` of ``q`` reads row ``r`` of the cache), or with ``pages`` (a page
+    table ``[rows_cap, columns]`` int32, :class:`~megarl.rollout.local.kv_cache.PagedKVCache`'s)
+    page pools ``[pages, page_size, kv_heads, head_dim]``: row ``r``'s token ``t`` is at
+    ``keys[pages[r, t // page_size], t % page_size]`` and rows hold ``columns * page_size``
+    tokens at most. ``used``: ``[rows]`` int32, each at least 1. Returns ``[rows, heads,
+    head_dim]`` in ``q``'s dtype. ``splits``: key splits per row (default: :func:`num_splits`
+    for the device); ``tiling``: keys per inner step, warps and pipeline stages of the main
+    kernel (benchmarks/decode_attention.py).
     """
-    if not decode_attention_supported(q, keys) or keys.shape != values.shape:
+    paged = pages is not None and (pages.dim() == 2 and pages.dtype == torch.int32
+                                   and pages.device == q.device and pages.shape[0] >= q.shape[0]
+                                   and pages.stride(1) == 1)
+    if not decode_attention_supported(q, keys) or keys.shape != values.shape or (
+            pages is not None and not paged):
         raise ValueError(f"decode_attention: q {tuple(q.shape)} {q.dtype}, cache "
-                         f"{tuple(keys.shape)} {keys.dtype}: needs [rows, heads, dim] and "
-                         "[rows, length, kv_heads, dim] of one half-precision dtype, heads a "
-                         "multiple of kv_heads")
+                         f"{tuple(keys.shape)} {keys.dtype}, pages "
+                         f"{None if pages is None else (tuple(pages.shape), pages.dtype)}: needs "
+                         "[rows, heads, dim] and [rows, length, kv_heads, dim] (or page pools "
+                         "and an int32 [rows, columns] page table on q's device) of one "
+                         "half-precision dtype, heads a multiple of kv_heads")
     rows, heads, dim = q.shape
-    length, kv_heads = keys.shape[1], keys.shape[2]
+    page = keys.shape[1] if paged else 0
+    length = pages.shape[1] * page if paged else keys.shape[1]
+    kv_heads = keys.shape[2]
     group = heads // kv_heads
     if splits is None:
         splits = num_splits(rows, kv_heads, length, _programs(q.device))
@@ -171,12 +190,12 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
         o_strides, lse_strides = partial.stride()[:3], lse.stride()[:2]
     _partial_kernel[(rows, kv_heads, splits)](
-        q, keys, values, used, partial, lse, out, scale, chunk,
+        q, keys, values, used, pages if paged else used, partial, lse, out, scale, chunk,
         q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
-        values.stride(0), values.stride(1), values.stride(2), *o_strides, *lse_strides,
-        out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g, HEAD_DIM=dim,
-        BLOCK_D=block_d, BLOCK=block_n, SPLITS=splits, F32_DOT=_INTERPRET, num_warps=warps,
-        num_stages=stages)
+        values.stride(0), values.stride(1), values.stride(2), pages.stride(0) if paged else 0,
+        *o_strides, *lse_strides, out.stride(0), out.stride(1), GROUP=group, BLOCK_G=block_g,
+        HEAD_DIM=dim, BLOCK_D=block_d, BLOCK=block_n, SPLITS=splits, PAGE=page,
+        F32_DOT=_INTERPRET, num_warps=warps, num_stages=stages)
     if splits > 1:
         _combine_kernel[(rows, heads)](
             partial, lse, out, *o_strides, *lse_strides, out.stride(0), out.stride(1), HEAD_DIM=dim,
@@ -186,15 +205,19 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
 
 
 def reference_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                               used: torch.Tensor, scale: float) -> torch.Tensor:
+                               used: torch.Tensor, scale: float,
+                               pages: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 attention of :func:`decode_attention`'s inputs, one row at a time (for tests)."""
     rows, heads, dim = q.shape
     group = heads // keys.shape[2]
     out = torch.empty(rows, heads, dim, dtype=torch.float32, device=q.device)
     for r in range(rows):
         n = int(used[r])
-        k = keys[r, :n].float().repeat_interleave(group, dim=1)  # [n, heads, dim]
-        v = values[r, :n].float().repeat_interleave(group, dim=1)
+        row_k, row_v = keys[r], values[r]
+        if pages is not None:  # the row's pages in order, as one [tokens, kv_heads, dim]
+            row_k, row_v = (t[pages[r].long()].flatten(0, 1) for t in (keys, values))
+        k = row_k[:n].float().repeat_interleave(group, dim=1)  # [n, heads, dim]
+        v = row_v[:n].float().repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,nhd->hn", q[r].float(), k) * scale
         out[r] = torch.einsum("hn,nhd->hd", scores.softmax(dim=-1), v)
     return out

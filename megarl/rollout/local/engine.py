@@ -2,8 +2,8 @@
 
 Requests (one prompt, ``n`` samples) wait in a queue; every step admits waiting prompts up to
 the row, prefill-token and KV-cache budgets (``max_total_tokens``: the token slots the KV cache
-may hold at its peak, each row at its final length, as SGLang's ``--max-total-tokens`` bounds
-its pool), prefills them together (the prompt once, its KV copied to the ``n`` sample rows),
+may hold at its peak, each row at its final length: on the native path the pages of each row's
+own length, as SGLang's ``--max-total-tokens`` bounds its pool), prefills them together (the prompt once, its KV copied to the ``n`` sample rows),
 samples their first tokens and adds them to the running batch; then the whole batch decodes one
 token. Requests that arrive while others run join at the next step. A row may name a LoRA
 adapter (``lora_path``) applied to its rows only (lora_serving.py; counted per adapter).
@@ -11,8 +11,9 @@ adapter (``lora_path``) applied to its rows only (lora_serving.py; counted per a
 A step that runs out of device memory (``torch.OutOfMemoryError``: e.g. a colocated trainer's
 leftovers) fails nothing at first: the running rows are retracted with their tokens (as
 ``/pause_generation`` ``retract`` does), the KV cache and decode graphs are freed, the KV budget
-shrinks to three quarters of what the cache held (the prefill budget halves if a prefill
-failed), and the rows queue again; :data:`OOM_RETRIES` failures in a row fail the requests.
+shrinks to three quarters of what the cache held until the cache is next released (the prefill
+budget halves if a prefill failed), and the rows queue again; :data:`OOM_RETRIES` failures in a
+row fail the requests.
 
 Everything that touches the model (generation, weight loads, aborts, pause modes) runs on the
 engine thread between steps (other threads hand it functions: :meth:`LocalEngine.call`).
@@ -34,6 +35,7 @@ from typing import Any, TypeVar
 import torch
 
 from megarl.faults import engine_step_delay, oom_point
+from megarl.memory import log_held_device_memory
 from megarl.rollout.interface import PauseMode, SamplingParams
 from megarl.rollout.local.fp8_layers import experts_backend, gemm_backend
 from megarl.rollout.local.model_runner import ModelRunner
@@ -121,28 +123,6 @@ class _Prefill:
     context: list[int]
 
 
-def _log_held_device_memory(device: torch.device, threshold: int = 1 << 30) -> None:
-    """After a full release: what this process still holds on ``device`` (allocated and
-    reserved), and above ``threshold`` bytes the largest live tensors there (shape, dtype), so
-    an engine that keeps memory while the actor trains says what it keeps."""
-    allocated = torch.cuda.memory_allocated(device)
-    reserved = torch.cuda.memory_reserved(device)
-    held = ""
-    if allocated > threshold:
-        import gc
-
-        tensors = {}
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor) and obj.device == device:
-                storage = obj.untyped_storage()
-                tensors[storage.data_ptr()] = (storage.nbytes(), tuple(obj.shape), obj.dtype)
-        top = sorted(tensors.values(), key=lambda t: -t[0])[:8]
-        held = "; largest live tensors: " + ", ".join(
-            f"{shape} {dtype} {nbytes / 2**30:.2f} GiB" for nbytes, shape, dtype in top)
-    logger.info("released: this process holds %.2f GiB allocated, %.2f GiB reserved on %s%s",
-                allocated / 2**30, reserved / 2**30, device, held)
-
-
 class LocalEngine:
     """Continuous-batching generation over a :class:`ModelRunner`, run on its own thread."""
 
@@ -152,7 +132,9 @@ class LocalEngine:
                  max_total_tokens: int | None = None) -> None:
         self.runner = runner
         self.max_total_tokens = max_total_tokens
-        """KV token slots the cache may hold at its peak (None: no limit)."""
+        """KV token slots the cache may hold at its peak (None: no limit); an out-of-memory
+        step cuts it until the KV cache is next released."""
+        self._max_total_tokens = max_total_tokens
         self.deterministic = deterministic
         """Honour ``sampling_seed`` (SGLang's ``--enable-deterministic-inference``): every sample
         of a request draws from that seed alone; otherwise it is ignored."""
@@ -328,16 +310,19 @@ class LocalEngine:
         admitted: list[_Prefill] = []
         rows, width = len(self._rows), 0
         final = max((_final_length(s) for s in self._rows), default=0)
+        slots = sum(self.runner.kv_pages(_final_length(s)) for s in self._rows)
         while self._waiting:
             unit = self._waiting[0]
             new_width = max(width, len(unit.context))
             new_final = max(final, max(_final_length(s) for s in unit.samples))
+            new_slots = slots + sum(self.runner.kv_pages(_final_length(s)) for s in unit.samples)
             over_rows = rows + len(unit.samples) > self.max_running_requests
             over_tokens = new_width * (len(admitted) + 1) > self.max_prefill_tokens
             if (over_rows and rows > 0) or (over_tokens and admitted):
                 break
             if budget is not None:
-                peak = self.runner.peak_kv_tokens(rows + len(unit.samples), new_final)
+                peak = self.runner.peak_kv_tokens(rows + len(unit.samples), new_final,
+                                                  new_slots, budget)
                 if peak > budget:
                     if rows == 0 and not admitted:  # it would not fit on an idle engine either
                         self._refuse(self._waiting.popleft(), peak, budget)
@@ -345,9 +330,9 @@ class LocalEngine:
                     break
             admitted.append(self._waiting.popleft())
             rows += len(unit.samples)
-            width, final = new_width, new_final
+            width, final, slots = new_width, new_final, new_slots
         if admitted:
-            self.runner.reserve(rows, final)
+            self.runner.reserve(rows, final, slots, budget)
         return admitted
 
     def _refuse(self, unit: _Prefill, peak: int, budget: int) -> None:
@@ -533,12 +518,15 @@ class LocalEngine:
                              "retract) before releasing memory")
         if "kv_cache" in tags:
             self.runner.release_kv_cache()
+            # a budget cut by an out-of-memory step comes back: the next pool is sized against
+            # what the device then has free
+            self.max_total_tokens = self._max_total_tokens
         self.runner.clear_rows()
         if "weights" in tags and "weights" not in self.released:
             self.runner.offload()
         self.released |= set(tags)
         if self.runner.device.type == "cuda" and {"weights", "kv_cache"} <= self.released:
-            _log_held_device_memory(self.runner.device)
+            log_held_device_memory(self.runner.device)
         return f"released {sorted(self.released)}"
 
     def resume_memory(self, tags: list[str]) -> str:

@@ -1,12 +1,19 @@
-"""The native decode path's static KV cache and its size arithmetic.
+"""The native decode path's paged KV cache and its size arithmetic.
 
-One ``[rows_cap, len_cap, kv_heads, head_dim]`` buffer per layer for keys and one for values;
-running row ``i`` lives in slot ``i`` with its tokens at positions ``0..len-1`` and the last
-column is scratch (where padded graph rows write). Rows are rounded up to :data:`ROW_BUCKETS`
-and lengths to :data:`LENGTH_STEP` (doubling when a length outgrows it, for callers that grow
-token by token; the engine reserves each row's final length up front). The cache grows by copy: while the live rows are copied,
-old and new buffers are both allocated, which :meth:`StaticKVCache.peak_tokens` counts, so the
-engine can admit only what fits its token budget (``--max-total-tokens``).
+One pool of pages per layer for keys and one for values, ``[pages, page_size, kv_heads,
+head_dim]``, and one page table ``[rows, columns]`` (int32, on the device): running row ``i``
+keeps its token ``t`` at ``pool[table[i, t // page_size], t % page_size]``. A row holds only
+the pages its own tokens need, so rows of very different lengths share the pool without the
+rectangle of rows x the longest row a static cache allocates (on the dense e2e shape that
+rectangle held ~72 rows where ~490 fitted). Dropping or reordering rows moves table rows, never
+K/V. Page 0 is scratch: table entries no row owns point at it, and a decode graph's padded rows
+write there.
+
+The pool grows by copy (while the live pages are copied the old and the new pool are both
+allocated, which :meth:`PagedKVCache.peak_tokens` counts); the engine sizes it once for its
+token budget (``--max-total-tokens``) so that it does not grow while rows run. Row counts are
+rounded up to :data:`ROW_BUCKETS` (the decode graphs' buckets) and the table's columns to
+:data:`LENGTH_STEP` tokens.
 """
 
 from __future__ import annotations
@@ -15,24 +22,42 @@ import torch
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 LENGTH_STEP = 256
+PAGE_SIZE = 64
+"""Tokens a page holds: the split-K attention kernel's tile of keys."""
 
 
 def row_bucket(rows: int) -> int:
-    """The row count a cache (and a decode graph) is sized for."""
+    """The row count a page table (and a decode graph) is sized for."""
     return next((b for b in ROW_BUCKETS if b >= rows), rows)
 
 
-class StaticKVCache:
-    """Per-layer K/V buffers ``[rows_cap, len_cap, kv_heads, head_dim]`` (module docstring)."""
+def pages_for(length: int, page_size: int = PAGE_SIZE) -> int:
+    """Pages that hold ``length`` tokens."""
+    return -(-length // page_size)
+
+
+class PoolExhausted(torch.OutOfMemoryError):
+    """Rows need pages and the pool cannot give them (it may not grow past the device's free
+    memory): the engine recovers as from any step out of memory."""
+
+
+class PagedKVCache:
+    """Per-layer K/V page pools and the running rows' page table (module docstring)."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, page_size: int = PAGE_SIZE) -> None:
         self.shape_tail = (kv_heads, head_dim)
-        self.layers, self.dtype, self.device = layers, dtype, device
+        self.layers, self.dtype, self.device, self.page_size = layers, dtype, device, page_size
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.rows_cap = self.len_cap = 0
+        self.table = torch.zeros(0, 0, dtype=torch.int32, device=device)
+        self.row_pages: list[list[int]] = []
+        """Per running row, its pages in token order (host copy of the table's rows)."""
+        self._free: list[int] = []
+        self.pages_cap = 0
+        """Pages a row may own (the pool holds one more: the scratch page 0)."""
 
+    # ----- sizes -----
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token slot takes over all layers (keys and values)."""
@@ -42,67 +67,162 @@ class StaticKVCache:
 
     @property
     def allocated_tokens(self) -> int:
-        """Token slots allocated now."""
-        return self.rows_cap * self.len_cap
+        """Token slots the pools hold now (the scratch page included)."""
+        return (self.pages_cap + 1) * self.page_size if self.keys else 0
 
-    def target(self, rows: int, length: int) -> tuple[int, int] | None:
-        """The ``(rows_cap, len_cap)`` that :meth:`ensure` would allocate for ``rows`` slots of
-        ``length`` tokens; None when the buffers already fit."""
-        if rows <= self.rows_cap and length < self.len_cap:
+    @property
+    def rows_cap(self) -> int:
+        """Rows the page table holds."""
+        return int(self.table.shape[0])
+
+    @property
+    def len_cap(self) -> int:
+        """Tokens a row may hold at most (the page table's columns)."""
+        return int(self.table.shape[1]) * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        """Pages no row owns."""
+        return len(self._free)
+
+    def pages_for(self, length: int) -> int:
+        """Pages that hold ``length`` tokens."""
+        return pages_for(length, self.page_size)
+
+    def pool_target(self, pages: int, pool: int | None) -> int | None:
+        """The usable pages :meth:`ensure_pool` would allocate for ``pages`` pages: ``pool``
+        (a budget in pages) or twice the pool if more; None when the pool holds them."""
+        if pages <= self.pages_cap:
             return None
-        new_rows = row_bucket(max(rows, self.rows_cap))
-        new_len = max(self.len_cap, -(-(length + 1) // LENGTH_STEP) * LENGTH_STEP)
-        if length >= self.len_cap and self.len_cap:  # growing token by token: double
-            new_len = max(new_len, 2 * self.len_cap)
-        return new_rows, new_len
+        return max(pages, pool if pool is not None else 2 * self.pages_cap)
 
-    def peak_tokens(self, rows: int, length: int, live_rows: int) -> int:
-        """Token slots allocated at the peak of ``ensure(rows, length, live_rows)``: the old
-        buffers stay while live rows are copied into the new ones."""
-        shape = self.target(rows, length)
-        if shape is None:
+    def peak_tokens(self, pages: int, pool: int | None) -> int:
+        """Token slots allocated at the peak of :meth:`ensure_pool` ``(pages, pool)``: the old
+        pool stays while live pages are copied."""
+        target = self.pool_target(pages, pool)
+        if target is None:
             return self.allocated_tokens
-        new = shape[0] * shape[1]
-        return new + (self.allocated_tokens if live_rows else 0)
+        live = self.pages_cap - self.free_pages
+        return (target + 1) * self.page_size + (self.allocated_tokens if live else 0)
 
-    def ensure(self, rows: int, length: int, live_rows: int) -> bool:
-        """Make room for ``rows`` slots of ``length`` tokens (+1 scratch column), keeping the
-        first ``live_rows`` slots; True when the buffers were reallocated."""
-        shape = self.target(rows, length)
-        if shape is None:
+    # ----- allocation -----
+    def ensure_pool(self, pages: int, pool: int | None = None, limit: int | None = None) -> bool:
+        """Make room for ``pages`` pages in use at once (see :meth:`pool_target`; at most
+        ``limit`` pages where that is more than ``pages``); True when the pools were allocated
+        anew (page ids stay valid: the live pages are copied)."""
+        target = self.pool_target(pages, pool)
+        if target is None:
             return False
-        old_k, old_v, old_len = self.keys, self.values, self.len_cap
-        if not live_rows:  # nothing to copy: the old buffers go first
-            old_k, old_v = [], []
-            self.free()
-        full = (*shape, *self.shape_tail)
-        self.keys = [torch.zeros(full, dtype=self.dtype, device=self.device)
-                     for _ in range(self.layers)]
-        self.values = [torch.zeros(full, dtype=self.dtype, device=self.device)
-                       for _ in range(self.layers)]
-        for new, old in zip(self.keys + self.values, old_k + old_v):
-            new[:live_rows, :old_len] = old[:live_rows]
-        self.rows_cap, self.len_cap = shape
+        if limit is not None:
+            target = max(pages, min(target, limit))
+        live = self.pages_cap - self.free_pages > 0
+        old_k, old_v = (self.keys, self.values) if live else ([], [])
+        if not live:
+            self.keys, self.values = [], []
+        full = (target + 1, self.page_size, *self.shape_tail)
+        keys = [torch.zeros(full, dtype=self.dtype, device=self.device) for _ in range(self.layers)]
+        values = [torch.zeros(full, dtype=self.dtype, device=self.device)
+                  for _ in range(self.layers)]
+        for new, old in zip(keys + values, old_k + old_v):
+            new[: old.shape[0]] = old
+        self.keys, self.values = keys, values
+        self._free = list(range(target, self.pages_cap, -1)) + self._free
+        if not live:
+            self._free = list(range(target, 0, -1))
+        self.pages_cap = target
         return True
 
-    def keep(self, index: list[int]) -> None:
-        """Move slots ``index`` to slots ``0..len(index)-1``."""
-        if index == list(range(len(index))):
+    def ensure_table(self, rows: int, length: int) -> bool:
+        """Room in the page table for ``rows`` rows of up to ``length`` tokens; True when the
+        table was allocated anew (its live rows copied)."""
+        cols = -(-length // LENGTH_STEP) * LENGTH_STEP // self.page_size
+        cols = max(cols, -(-length // self.page_size))
+        if rows <= self.rows_cap and cols <= self.table.shape[1]:
+            return False
+        new_rows, new_cols = max(rows, self.rows_cap), max(cols, int(self.table.shape[1]))
+        table = torch.zeros(new_rows, new_cols, dtype=torch.int32, device=self.device)
+        table[: self.rows_cap, : self.table.shape[1]] = self.table
+        self.table = table
+        return True
+
+    def extend(self, rows: list[int], lengths: list[int]) -> None:
+        """Give running rows ``rows`` the pages that hold ``lengths`` tokens each (one table
+        write for all of them). Raises :class:`PoolExhausted`, taking no page, when the free
+        pages are too few."""
+        wanted = [(row, self.pages_for(n) - len(self.row_pages[row]))
+                  for row, n in zip(rows, lengths)]
+        wanted = [(row, k) for row, k in wanted if k > 0]
+        if not wanted:
             return
-        idx = torch.tensor(index, dtype=torch.long, device=self.device)
-        for t in self.keys + self.values:
-            t[: len(index)] = t.index_select(0, idx)
+        need = sum(k for _, k in wanted)
+        if need > len(self._free):
+            raise PoolExhausted(f"the running rows need {need} more KV pages; {len(self._free)} "
+                                "are free")
+        at_rows, at_cols, taken = [], [], []
+        for row, k in wanted:
+            pages = self.row_pages[row]
+            for _ in range(k):
+                at_rows.append(row)
+                at_cols.append(len(pages))
+                pages.append(self._free.pop())
+                taken.append(pages[-1])
+        self.table[torch.tensor(at_rows), torch.tensor(at_cols)] = torch.tensor(
+            taken, dtype=torch.int32).to(self.device, non_blocking=True)
+
+    def add_rows(self, lengths: list[int]) -> None:
+        """Append rows after the running ones with the pages for ``lengths`` tokens."""
+        start = len(self.row_pages)
+        self.row_pages += [[] for _ in lengths]
+        try:
+            self.extend(list(range(start, start + len(lengths))), lengths)
+        except PoolExhausted:
+            del self.row_pages[start:]
+            raise
+
+    def slots(self, rows: range, lengths: list[int]) -> torch.Tensor:
+        """The pool slots (``page * page_size + offset``) of tokens ``0..lengths[i]-1`` of
+        running rows ``rows``, in order (long, on the device)."""
+        size = self.page_size
+        parts = []
+        for row, n in zip(rows, lengths):
+            t = torch.arange(n)
+            parts.append(torch.tensor(self.row_pages[row], dtype=torch.long)[t // size] * size
+                         + t % size)
+        return torch.cat(parts).to(self.device, non_blocking=True)
 
     def write(self, start: int, kv) -> None:
-        """Put the prefill rows (a ``PrefillKV``) into slots ``start..start+rows-1``."""
+        """Put the prefill rows (a ``PrefillKV``, right-padded) into running rows
+        ``start..start+rows-1``, which hold their pages already."""
+        lengths = kv.lengths.tolist()
         width = kv.keys[0].shape[1]
-        for dst, src in zip(self.keys + self.values, kv.keys + kv.values):
-            dst[start : start + kv.rows, :width] = src
+        dst = self.slots(range(start, start + kv.rows), lengths)
+        src = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)])
+        src = src.to(self.device, non_blocking=True)
+        for pool, new in zip(self.keys + self.values, kv.keys + kv.values):
+            pool.view(-1, *self.shape_tail)[dst] = new.reshape(-1, *self.shape_tail)[src]
+
+    def keep(self, index: list[int]) -> None:
+        """Keep running rows ``index`` as rows ``0..len(index)-1``; the others' pages go back."""
+        kept = set(index)
+        for row, pages in enumerate(self.row_pages):
+            if row not in kept:
+                self._free += pages
+        rows = len(self.row_pages)
+        self.row_pages = [self.row_pages[i] for i in index]
+        if index != list(range(len(index))):
+            idx = torch.tensor(index, dtype=torch.long, device=self.device)
+            self.table[: len(index)] = self.table.index_select(0, idx)
+        self.table[len(index): rows] = 0
+
+    def clear(self) -> None:
+        """Drop every running row (the pools stay)."""
+        self.keep([])
 
     def free(self) -> None:
-        """Drop the buffers."""
-        self.keys, self.values = [], []
-        self.rows_cap = self.len_cap = 0
+        """Drop the pools and the table."""
+        self.keys, self.values, self.row_pages, self._free = [], [], [], []
+        self.table = torch.zeros(0, 0, dtype=torch.int32, device=self.device)
+        self.pages_cap = 0
 
 
 def kv_slots(free_before_load: int, free_after_load: int, fraction: float,

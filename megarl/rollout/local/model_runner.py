@@ -302,19 +302,27 @@ class ModelRunner:
         """KV token slots the native path's cache holds now (0 on the HF path)."""
         return self.native.cache.allocated_tokens if self.native is not None else 0
 
-    def peak_kv_tokens(self, rows: int, length: int) -> int:
-        """KV token slots held at the peak of running ``rows`` rows up to ``length`` tokens:
-        exact on the native path (its static cache, with the copy when it grows); on the HF path
-        the padded ``rows x length`` batch."""
+    def kv_pages(self, length: int) -> int:
+        """KV token slots a row of ``length`` tokens holds on the native path (its pages; 0 on
+        the HF path, whose padded batch :meth:`peak_kv_tokens` counts by its rectangle)."""
+        if self.native is None:
+            return 0
+        return self.native.cache.pages_for(length) * self.native.cache.page_size
+
+    def peak_kv_tokens(self, rows: int, length: int, slots: int, pool: int | None = None) -> int:
+        """KV token slots held at the peak of running ``rows`` rows of up to ``length`` tokens
+        that hold ``slots`` slots in all (:meth:`kv_pages` of their final lengths): exact on the
+        native path (its page pool, allocated at ``pool`` slots where it must grow, with the
+        copy of the live pages); on the HF path the padded ``rows x length`` batch."""
         if self.native is not None:
-            return self.native.peak_kv_tokens(rows, length)
+            return self.native.peak_kv_tokens(slots // self.native.cache.page_size, pool)
         return rows * length
 
-    def reserve(self, rows: int, length: int) -> None:
-        """Size the KV cache for ``rows`` running rows up to ``length`` tokens (native path; the
-        HF path grows its batch as it decodes)."""
+    def reserve(self, rows: int, length: int, slots: int, pool: int | None = None) -> None:
+        """Size the KV cache for :meth:`peak_kv_tokens`' rows (native path; the HF path grows
+        its batch as it decodes)."""
         if self.native is not None:
-            self.native.reserve(rows, length)
+            self.native.reserve(rows, length, slots // self.native.cache.page_size, pool)
 
     def release_kv_cache(self) -> None:
         """Drop the running rows and free the KV cache (and CUDA graphs) until the next use."""

@@ -5,16 +5,18 @@ Qwen3-MoE style sparse blocks) with the model's own submodules (projections, q/k
 embedding, MLP or router + experts, LM head), so weights written into the HF model in place are
 used at once; only the attention and the layer loop are its own:
 
-- the KV cache (:class:`~megarl.rollout.local.kv_cache.StaticKVCache`) is one
-  ``[rows, length, kv_heads, head_dim]`` buffer per layer; running row ``i`` lives in slot ``i``
-  with its tokens at positions ``0..len-1``. :meth:`NativeDecoder.reserve` sizes it for the
-  rows' final lengths; it grows (by copy) when rows or lengths outgrow it;
+- the KV cache (:class:`~megarl.rollout.local.kv_cache.PagedKVCache`) is a pool of pages per
+  layer and a page table: running row ``i`` owns the pages its tokens need, nothing more.
+  :meth:`NativeDecoder.reserve` sizes the pool (the engine: once, for its token budget) and the
+  table for the rows' final lengths; each decode step gives a row its next page when its next
+  token starts one, and the pool grows (by copy) only when nothing reserved it;
 - prefill runs the new prompts right-padded with causal SDPA (padding is invisible to the real
   tokens) and hands back their K/V as a :class:`PrefillKV`;
-- decode writes each row's new K/V at its own position and attends over the row's length with
-  the split-K Triton kernel (decode_attention_triton.py), else FlashAttention's varlen kernel, or
-  an fp32 softmax over the slots' first columns (CPU, and a fallback); on CUDA the whole decode
-  step (all layers, the LM head, the routing records) is a CUDA graph per row-count bucket.
+- decode writes each row's new K/V at its position's page and slot, and attends over the row's
+  length with the split-K Triton kernel through the page table (decode_attention_triton.py),
+  else FlashAttention's varlen kernel or an fp32 softmax (CPU, and a fallback) over the rows'
+  pages gathered; on CUDA the whole decode step (all layers, the LM head, the routing records)
+  is a CUDA graph per row-count bucket (decode_graphs.py).
 """
 
 from __future__ import annotations
@@ -28,14 +30,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from megarl.kernels import triton_kernels
+from megarl.rollout.local.decode_graphs import DecodeGraphs
 from megarl.rollout.local.decode_ops import grouped_experts, grouped_experts_match
 from megarl.rollout.local.fp8_layers import unquantized_activations
 from megarl.rollout.local.fused_projections import FusedLayer
-from megarl.rollout.local.kv_cache import StaticKVCache, row_bucket
+from megarl.rollout.local.kv_cache import PagedKVCache, row_bucket
 from megarl.rollout.local.sampling import FusedSampling
 
 logger = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "qwen3_moe"})
+POOL_HEADROOM = 0.08
+"""Of the device's memory, what a KV pool growing on a GPU leaves free (decode activations,
+graphs, the prefill): the pool takes at most the rest, whatever it was reserved for."""
 ALL_EXPERTS_ROWS = 8192
 """Decode runs every expert on every row while rows * experts is at most this."""
 
@@ -100,28 +106,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return (x * cos) + (_rotate_half(x) * sin)
 
 
-@dataclass
-class _Graph:
-    """One captured decode step for a bucket of rows and its static inputs / outputs."""
-
-    graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor
-    positions: torch.Tensor
-    logits: torch.Tensor
-    routes: torch.Tensor | None
-    temperatures: torch.Tensor | None = None
-    seeds: torch.Tensor | None = None
-    picks: torch.Tensor | None = None
-    """``[2, rows]`` fp64: the tokens and log-probs drawn by the fused sampler."""
-    inputs: torch.Tensor | None = None
-    """``[2, rows]`` int64 on the device: ``tokens`` and ``positions`` are its rows."""
-    staged: torch.Tensor | None = None
-    """``inputs`` in pinned host memory: the next replay's tokens and positions, which one
-    asynchronous copy moves to the device."""
-    sampling: FusedSampling | None = None
-    """The sampler inputs last copied into ``temperatures`` / ``seeds``."""
-
-
 class NativeDecoder:
     """Prefill and batched decode of an HF model over a static KV cache (see the module doc)."""
 
@@ -140,8 +124,10 @@ class NativeDecoder:
         weight = inner.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.moe = any(hasattr(layer.mlp, "experts") for layer in self.layers)
-        self.cache = StaticKVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype,
-                            self.device)
+        self.cache = PagedKVCache(len(self.layers), self.kv_heads, self.head_dim, self.dtype,
+                                  self.device)
+        self.pool_pages: int | None = None
+        """Pages the pool is allocated with when it must grow (:meth:`reserve`'s ``pool``)."""
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.flash = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
@@ -152,10 +138,7 @@ class NativeDecoder:
         self.grouped_experts = False
         """Decode above ``ALL_EXPERTS_ROWS`` through :func:`.decode_ops.grouped_experts` (probed
         with the fast kernels)."""
-        self._graphs: dict[int, _Graph] = {}
-        self._pool = None
-        self.capture_failures = 0
-        """Decode-graph captures that failed (each bucket then decodes eagerly)."""
+        self.graphs = DecodeGraphs(self)
         self._fused: list[FusedLayer] | None = None
         """Per layer, the q/k/v (and dense gate/up) weights as one tensor (CUDA; built on first
         use and again after :meth:`release`, since moving the model re-allocates weights)."""
@@ -178,25 +161,28 @@ class NativeDecoder:
     # ----- rows -----
     def append(self, kv: PrefillKV) -> None:
         """Add prefilled rows after the running ones."""
-        start = self.rows
-        longest = max(kv.keys[0].shape[1], int(kv.lengths.max()), self._longest())
-        self._ensure(start + kv.rows, longest + 1, start)
+        start, lengths = self.rows, kv.lengths.tolist()
+        self._ensure_table(start + kv.rows, max(max(lengths), self._longest()) + 1)
+        self._grow(self._pages_in_use() + sum(self.cache.pages_for(n) for n in lengths))
+        self.cache.add_rows(lengths)
         self.cache.write(start, kv)
         self.lengths = torch.cat([self.lengths, kv.lengths])
 
     def keep(self, index: list[int]) -> None:
-        """Keep running rows ``index`` (in that order) as rows ``0..len-1``."""
+        """Keep running rows ``index`` (in that order) as rows ``0..len-1``; the others' pages
+        go back to the pool (no K/V moves)."""
         self.cache.keep(index)
         self.lengths = self.lengths[torch.tensor(index, dtype=torch.long)]
 
     def clear(self) -> None:
-        """Drop every running row (the buffers stay)."""
+        """Drop every running row (the pool stays)."""
+        self.cache.clear()
         self.lengths = torch.zeros(0, dtype=torch.long)
 
     def release(self) -> None:
-        """Drop rows, the KV buffers and the captured graphs."""
+        """Drop rows, the KV pool and the captured graphs."""
         self.clear()
-        self._drop_graphs()
+        self.graphs.drop()
         self._fused = None
         self.cache.free()
 
@@ -209,31 +195,42 @@ class NativeDecoder:
     def _longest(self) -> int:
         return int(self.lengths.max()) if self.rows else 0
 
-    def _ensure(self, rows: int, length: int, live: int) -> None:
-        if self.use_graphs:
-            rows = row_bucket(rows)
-        if self.cache.ensure(rows, length, live):
-            self._drop_graphs()
-            if self.device.type == "cuda":  # the old buffers and the graphs' pool go back to
-                torch.cuda.empty_cache()     # the device: what the budget counts is what is held
+    def _pages_in_use(self) -> int:
+        return self.cache.pages_cap - self.cache.free_pages
 
-    def _drop_graphs(self) -> None:
-        """Forget the captured graphs and their memory pool. The pool handle goes with them: the
-        caching allocator keeps a pool only while some graph captured into it lives, and a
-        capture into the handle of a dead pool fails its ``use_count > 0`` assertion (on the
-        H200, every capture after the first KV regrowth did, and decoding went eager). The
-        dead pool's blocks go back to the device with ``empty_cache``."""
-        self._graphs.clear()
-        self._pool = None
+    def _ensure_table(self, rows: int, length: int) -> None:
+        if self.cache.ensure_table(row_bucket(rows) if self.use_graphs else rows, length):
+            self.graphs.drop()
 
-    def reserve(self, rows: int, length: int) -> None:
-        """Size the cache for ``rows`` running rows of up to ``length`` tokens each."""
-        self._ensure(rows, length + 1, self.rows)
+    def _grow(self, pages: int) -> None:
+        """A pool that holds ``pages`` pages in use (the reserved size, at most what the device
+        has free, when it must grow)."""
+        limit = None
+        if self.device.type == "cuda" and self.cache.pool_target(pages, self.pool_pages):
+            free, total = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device)
+            if not self._pages_in_use():  # the old pool goes before the new one comes
+                free += self.cache.allocated_tokens * self.cache.bytes_per_token
+            page_bytes = self.cache.bytes_per_token * self.cache.page_size
+            limit = int((free - POOL_HEADROOM * total) // page_bytes) - 1
+        if self.cache.ensure_pool(pages, self.pool_pages, limit):
+            self.graphs.drop()
+            if self.device.type == "cuda":  # the old pool and the graphs' pool go back to the
+                torch.cuda.empty_cache()     # device: what the budget counts is what is held
 
-    def peak_kv_tokens(self, rows: int, length: int) -> int:
-        """Token slots allocated at the peak of :meth:`reserve` ``(rows, length)``."""
-        return self.cache.peak_tokens(row_bucket(rows) if self.use_graphs else rows,
-                                      length + 1, self.rows)
+    def reserve(self, rows: int, length: int, pages: int, pool: int | None = None) -> None:
+        """Room for ``rows`` running rows of up to ``length`` tokens that hold ``pages`` pages
+        in all at their final lengths (the running rows and the ones about to join); a pool
+        that must grow is allocated with ``pool`` token slots (a budget), else twice its size."""
+        self.pool_pages = None if pool is None else pool // self.cache.page_size - 1
+        self._ensure_table(rows, length + 1)
+        self._grow(pages)
+
+    def peak_kv_tokens(self, pages: int, pool: int | None = None) -> int:
+        """Token slots allocated at the peak of :meth:`reserve` with ``pages`` and ``pool``."""
+        return self.cache.peak_tokens(pages, None if pool is None else
+                                      pool // self.cache.page_size - 1)
 
     # ----- forward pieces -----
     def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -310,7 +307,7 @@ class NativeDecoder:
         args = (q, k, v, None if q_norm is None else q_norm.weight,
                 None if k_norm is None else k_norm.weight, cos[:, 0], sin[:, 0],
                 self.cache.keys[index], self.cache.values[index], step["slots"],
-                step["positions"])
+                step["offsets"])
         if not kernels.qk_norm_rope_cache_supported(*args):
             return None
         eps = q_norm.variance_epsilon if q_norm is not None else 0.0
@@ -412,21 +409,25 @@ class NativeDecoder:
     # ----- decode -----
     def _attend_decode(self, index: int, q, k, v, step: dict[str, torch.Tensor], span: int):
         """Write this step's K/V at each row's position, then attend over the row's tokens."""
-        rows, positions = q.shape[0], step["positions"]
+        rows, positions, table = q.shape[0], step["positions"], step["table"]
         kc, vc = self.cache.keys[index], self.cache.values[index]
         if k is not None:  # (None: the fused attention-input kernel wrote them)
-            kc[step["slots"], positions] = k
-            vc[step["slots"], positions] = v
+            kc[step["slots"], step["offsets"]] = k
+            vc[step["slots"], step["offsets"]] = v
         if self.flash and self.split_attention:
-            out = self._split_attention.decode_attention(q, kc, vc, step["used"], self.scale)
+            out = self._split_attention.decode_attention(q, kc, vc, step["used"], self.scale,
+                                                         pages=table)
             return out.reshape(rows, -1)
+        if not self.flash:  # the pages that hold the first ``span`` tokens
+            table = table[:, : self.cache.pages_for(span)]
+        keys, vals = (pool[table.long()].flatten(1, 2) for pool in (kc, vc))  # rows' tokens
         if self.flash:
+            length = keys.shape[1]
             out = torch.ops.aten._flash_attention_forward(
-                q, kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]), step["cu_q"],
-                step["cu_k"], 1, self.cache.len_cap, 0.0, False, False, scale=self.scale,
-                seqused_k=step["used"])[0]
+                q, keys.flatten(0, 1), vals.flatten(0, 1), step["cu_q"], step["cu_q"] * length,
+                1, length, 0.0, False, False, scale=self.scale, seqused_k=step["used"])[0]
             return out.reshape(rows, -1)
-        keys, vals = kc[:rows, :span].float(), vc[:rows, :span].float()
+        keys, vals = keys[:, :span].float(), vals[:, :span].float()
         qf = q.float().view(rows, self.kv_heads, -1, self.head_dim)
         scores = torch.einsum("bkgd,btkd->bkgt", qf, keys) * self.scale
         hidden = torch.arange(span, device=self.device)[None, :] > positions[:, None]
@@ -434,20 +435,21 @@ class NativeDecoder:
         out = torch.einsum("bkgt,btkd->bkgd", probs, vals).to(q.dtype)
         return out.reshape(rows, -1)
 
-    def _step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int,
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int,
               sampling: tuple[torch.Tensor, torch.Tensor] | None = None):
         """One decode step of all rows: logits ``[rows, V]`` fp32, routes ``[rows, L, K]`` and,
         with ``sampling`` (temperatures, seeds), the drawn tokens and their log-probs as
         ``[2, rows]`` fp64."""
         h = self.model.model.embed_tokens(tokens)
         tables = self._tables(h, positions)
-        rows = tokens.shape[0]
-        cu_q = torch.arange(rows + 1, device=self.device, dtype=torch.int32)
-        step = {"positions": positions, "slots": torch.arange(rows, device=self.device),
-                "cu_q": cu_q, "cu_k": cu_q * self.cache.len_cap,
-                # a padded graph row (at the scratch column) attends to one token, not all
-                "used": torch.where(positions == self.cache.len_cap - 1, 1, positions + 1
-                                    ).to(torch.int32)}
+        rows, size = tokens.shape[0], self.cache.page_size
+        table = self.cache.table[:rows]
+        column = torch.div(positions, size, rounding_mode="floor")
+        # a padded graph row is at position 0 of a table row of zeros: the scratch page
+        step = {"positions": positions, "table": table, "offsets": positions - column * size,
+                "slots": table.gather(1, column[:, None])[:, 0].long(),
+                "cu_q": torch.arange(rows + 1, device=self.device, dtype=torch.int32),
+                "used": (positions + 1).to(torch.int32)}
         routes: list[torch.Tensor] = []
         for index in range(len(self.layers)):
             attend = (lambda q, k, v, i=index: self._attend_decode(i, q, k, v, step, span))
@@ -465,27 +467,41 @@ class NativeDecoder:
         """Feed one token per running row: next-token logits ``[rows, V]`` fp32, the fed
         tokens' routes ``[rows, L, K]`` (None for dense models) and, with ``sampling`` (when
         :attr:`fused_sampling`), the next tokens and their log-probs drawn in the step."""
-        rows = self.rows
-        self._ensure(rows, self._longest() + 1, rows)
+        self._ensure_table(self.rows, self._longest() + 1)
+        self._take_pages()
         ids = torch.tensor(tokens, dtype=torch.long)
         if (self.flash or self.fast_kernels or self.fused_sampling) and not self._fast_checked:
             self._check_fast_paths(ids)
         if not self.fused_sampling:
             sampling = None
-        if self.use_graphs and self._bucket_graph() is None:
+        if self.use_graphs and self.graphs.bucket(self.rows) is None:
             self.use_graphs = False
         if self.use_graphs:
-            logits, routes, picks = self._replay(ids, sampling)
+            logits, routes, picks = self.graphs.replay(ids, sampling)
         else:
             positions = self.lengths.to(self.device)
             inputs = None if sampling is None else (sampling.temperatures, sampling.seeds)
-            logits, routes, picks = self._step(ids.to(self.device), positions,
+            logits, routes, picks = self.step(ids.to(self.device), positions,
                                                self._longest() + 1, inputs)
         self.lengths = self.lengths + 1
         if picks is None:
             return logits, routes, None
         picks = picks.cpu()  # the step's one device synchronisation
         return logits, routes, (picks[0].long().tolist(), picks[1].float().tolist())
+
+    def _take_pages(self) -> None:
+        """Give each row whose next token starts a page that page (growing the pool first where
+        nothing reserved it)."""
+        size = self.cache.page_size
+        rows = (self.lengths % size == 0).nonzero()[:, 0].tolist()
+        if not rows:
+            return
+        lengths = (self.lengths[rows] + 1).tolist()
+        need = sum(self.cache.pages_for(n) - len(self.cache.row_pages[r])
+                   for r, n in zip(rows, lengths))
+        if need > self.cache.free_pages:
+            self._grow(self._pages_in_use() + need)
+        self.cache.extend(rows, lengths)
 
     def _check_fast_paths(self, ids: torch.Tensor) -> None:
         """Run the first decode step with the fast kernels (FlashAttention, Triton RoPE and
@@ -499,7 +515,7 @@ class NativeDecoder:
         for attempt in (0, 1):
             try:
                 with unquantized_activations():  # FP8 layers w8a16 in both paths (its doc: why)
-                    fast, _, picks = self._step(ids.to(self.device), positions, span,
+                    fast, _, picks = self.step(ids.to(self.device), positions, span,
                                                 greedy if self.fused_sampling else None)
                 break
             except Exception as err:  # noqa: BLE001 (Triton's compile errors are no RuntimeError)
@@ -512,7 +528,7 @@ class NativeDecoder:
                 return
         flash, self.flash, self.fast_kernels = self.flash, False, False
         with unquantized_activations():
-            ref, _, _ = self._step(ids.to(self.device), positions, span)
+            ref, _, _ = self.step(ids.to(self.device), positions, span)
         error = float((fast - ref).abs().max() / ref.abs().max().clamp(min=1e-6))
         ok = error < 0.05
         self.flash, self.fast_kernels = flash and ok, ok
@@ -531,66 +547,3 @@ class NativeDecoder:
             logger.info("fused sampler vs torch: picks %s, log-prob error %.1e (%s)",
                         "equal" if tokens_ok else "differ", lp_error,
                         "using it" if self.fused_sampling else "sampling with torch")
-
-    def _bucket_graph(self) -> _Graph | None:
-        """The graph for the running rows' bucket, captured on first use (None if capture
-        fails: decoding then stays eager)."""
-        bucket = row_bucket(self.rows)
-        graph = self._graphs.get(bucket)
-        if graph is None:
-            try:
-                graph = self._capture(bucket)
-            except RuntimeError as err:
-                self.capture_failures += 1
-                logger.warning("CUDA graph capture failed (%s); decoding without graphs", err)
-                return None
-            self._graphs[bucket] = graph
-        return graph
-
-    def _replay(self, ids: torch.Tensor, sampling: FusedSampling | None):
-        rows = self.rows
-        graph = self._graphs[row_bucket(rows)]
-        staged = graph.staged
-        staged[0, :rows] = ids
-        staged[0, rows:] = 0
-        staged[1, :rows] = self.lengths
-        staged[1, rows:] = self.cache.len_cap - 1  # padded rows write to the scratch column
-        # the pinned buffer is written again only after this step's results reached the host
-        graph.inputs.copy_(staged, non_blocking=True)
-        if graph.temperatures is not None and sampling is not graph.sampling:
-            graph.sampling = sampling
-            if sampling is None:
-                graph.temperatures.zero_()
-            else:
-                graph.temperatures[:rows].copy_(sampling.temperatures)
-                graph.temperatures[rows:].zero_()
-                graph.seeds[:rows].copy_(sampling.seeds)
-        graph.graph.replay()
-        routes = None if graph.routes is None else graph.routes[:rows]
-        picks = None if sampling is None or graph.picks is None else graph.picks[:, :rows]
-        return graph.logits[:rows], routes, picks
-
-    def _capture(self, bucket: int) -> _Graph:
-        """Capture the decode step for ``bucket`` rows (warm-up on a side stream first)."""
-        inputs = torch.zeros(2, bucket, dtype=torch.long, device=self.device)
-        tokens, positions = inputs[0], inputs[1]
-        positions.fill_(self.cache.len_cap - 1)
-        span = self.cache.len_cap
-        sampling = None
-        if self.fused_sampling:
-            sampling = (torch.zeros(bucket, device=self.device),
-                        torch.zeros(bucket, dtype=torch.long, device=self.device))
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            self._step(tokens, positions, span, sampling)
-        torch.cuda.current_stream().wait_stream(stream)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits, routes, picks = self._step(tokens, positions, span, sampling)
-        temperatures, seeds = sampling if sampling is not None else (None, None)
-        staged = torch.empty(2, bucket, dtype=torch.long, pin_memory=True)
-        return _Graph(graph, tokens, positions, logits, routes, temperatures, seeds, picks,
-                      inputs, staged)
