@@ -193,3 +193,35 @@ def test_rollout_gpu_memory_utilization_reaches_the_embedded_engine_on_a_gpu(tmp
     argv = engine_command(spec, rank=0, port=9, device="cuda")
     assert argv[argv.index("--mem-fraction-static") + 1] == "0.55"
     assert "--mem-fraction-static" not in engine_command(spec, rank=0, port=9, device="cpu")
+
+
+def test_rows_that_may_stop_are_admitted_at_expected_lengths_and_retracted_when_short(model_dir):
+    """Rows with a stop token count at prompt + 0.7 of max_new_tokens (3 of the 4 pages they
+    may reach), so 4 rows join a pool of 12 pages where 3 would at their final lengths; none
+    stops, so they run short at their fourth page: rows are retracted and run again later,
+    and every sample's tokens equal a run without a budget (greedy)."""
+    new = 4 * PAGE_SIZE - PROMPT
+
+    def reqs(stop: list[int]):
+        g = torch.Generator().manual_seed(1)
+        return [Request(f"r{i}", torch.randint(3, 100, (PROMPT,), generator=g).tolist(),
+                        SamplingParams(max_new_tokens=new, temperature=0.0, n=2, ignore_eos=True,
+                                       stop_token_ids=stop))
+                for i in range(3)]
+
+    reference = reqs([])
+    drive(LocalEngine(ModelRunner(model_dir, backend="native"), seed=0), reference, lambda: None)
+    drawn = {t for r in reference for s in r.future.result() for t in s.output_ids}
+    stop = [min(set(range(3, 128)) - drawn)]  # a stop token no row draws
+    runner = ModelRunner(model_dir, backend="native")
+    budget = (12 + 1) * PAGE_SIZE
+    engine = LocalEngine(runner, seed=0, max_total_tokens=budget)
+    got, held = reqs(stop), []
+    seen = drive(engine, got, lambda: held.append(runner.kv_allocated_tokens))
+    assert max(seen) == 4 and max(held) <= budget
+    assert engine.admission.retractions >= 1
+    assert engine.load_state()["kv_retractions"] == engine.admission.retractions
+    for g, want in zip(got, reference):
+        assert [s.output_ids for s in g.future.result()] == [
+            s.output_ids for s in want.future.result()]
+        assert all(s.finish_reason["type"] == "length" for s in g.future.result())

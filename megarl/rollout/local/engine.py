@@ -26,19 +26,20 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from megarl.faults import engine_step_delay, oom_point
 from megarl.memory import log_held_device_memory
-from megarl.rollout.interface import PauseMode, SamplingParams
+from megarl.rollout.interface import PauseMode
+from megarl.rollout.local.admission import KVAdmission, final_length
 from megarl.rollout.local.fp8_layers import experts_backend, gemm_backend
 from megarl.rollout.local.model_runner import ModelRunner
+from megarl.rollout.local.requests import Request, Sample, SampleResult
 from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampling, sample_next
 
 logger = logging.getLogger(__name__)
@@ -49,70 +50,6 @@ OOM_RETRIES = 3
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 DEFAULT_SAMPLING_SEED = 42
 """The seed of requests without ``sampling_seed`` under deterministic inference (SGLang's)."""
-
-
-@dataclass
-class Request:
-    """One prompt with its sampling parameters; resolves ``future`` with its samples."""
-
-    rid: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    return_logprob: bool = True
-    return_routed_experts: bool = False
-    routed_experts_start_len: int = 0
-    lora: str | None = None
-    """The LoRA adapter the prompt is generated with (``lora_path``; None: the base model)."""
-    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
-    created: float = field(default_factory=time.monotonic)
-    samples: list[Sample] = field(default_factory=list)
-    sample_rids: list[str] = field(default_factory=list)
-    """The rid of each sample: ``rid`` when n == 1, else a fresh uuid per sample and ``rid``
-    names none of them (as SGLang does, so aborting ``rid`` is a no-op)."""
-
-    def __post_init__(self) -> None:
-        if not self.sample_rids:
-            self.sample_rids = ([self.rid] if self.params.n == 1
-                                else [uuid.uuid4().hex for _ in range(self.params.n)])
-
-
-@dataclass
-class Sample:
-    """One row being generated."""
-
-    request: Request
-    index: int
-    rid: str
-    """This sample's request id (what ``/abort_request`` matches)."""
-    max_new_tokens: int
-    sampling: RowSampling
-    stop_ids: frozenset[int]
-    """Tokens that end the sample (stop_token_ids, plus EOS unless ignore_eos)."""
-    output_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    route_chunks: list[torch.Tensor] = field(default_factory=list)
-    finish: dict[str, Any] | None = None
-    weight_version: str = ""
-
-
-def _final_length(s: Sample) -> int:
-    """Tokens a sample's row holds when it ends: its prompt plus every token it may draw."""
-    return len(s.request.prompt_ids) + s.max_new_tokens
-
-
-@dataclass
-class SampleResult:
-    """A finished sample as the HTTP layer reports it."""
-
-    rid: str
-    index: int
-    prompt_ids: list[int]
-    output_ids: list[int]
-    logprobs: list[float] | None
-    finish_reason: dict[str, Any]
-    weight_version: str
-    routed_experts: torch.Tensor | None
-    e2e_latency: float
 
 
 @dataclass
@@ -146,6 +83,8 @@ class LocalEngine:
         self.steps = 0
         """Generation steps run so far (``/health`` takes any progress as a sign of life)."""
         self.oom_recoveries = 0
+        self.admission = KVAdmission()
+        """Expected lengths for admission, retraction for want of KV pages (admission.py)."""
         """Out-of-memory steps recovered from by retracting the rows (module docstring)."""
         self.lora_requests: Counter[str] = Counter()  # per lora_path ("": the base model)
         self._oom_streak = 0
@@ -213,6 +152,7 @@ class LocalEngine:
                 "paused": self.paused, "released": sorted(self.released),
                 "weight_version": self.weight_version, "generation_steps": self.steps,
                 "oom_recoveries": self.oom_recoveries,
+                "kv_retractions": self.admission.retractions,
                 "fp8_gemm": gemm_backend(self.runner.device) if fp8 else None,
                 "fp8_experts": experts_backend(self.runner.device) if fp8 else None,
                 "lora_requests": dict(self.lora_requests) if self.runner.lora else None}
@@ -309,13 +249,15 @@ class LocalEngine:
             self._settle(compact=True)  # finished rows would hold KV slots
         admitted: list[_Prefill] = []
         rows, width = len(self._rows), 0
-        final = max((_final_length(s) for s in self._rows), default=0)
-        slots = sum(self.runner.kv_pages(_final_length(s)) for s in self._rows)
+        expected = self.admission.expected_length
+        final = max((final_length(s) for s in self._rows), default=0)
+        slots = sum(self.runner.kv_pages(expected(s)) for s in self._rows)
         while self._waiting:
             unit = self._waiting[0]
             new_width = max(width, len(unit.context))
-            new_final = max(final, max(_final_length(s) for s in unit.samples))
-            new_slots = slots + sum(self.runner.kv_pages(_final_length(s)) for s in unit.samples)
+            longest = max(final_length(s) for s in unit.samples)
+            new_final = max(final, longest)
+            new_slots = slots + sum(self.runner.kv_pages(expected(s)) for s in unit.samples)
             over_rows = rows + len(unit.samples) > self.max_running_requests
             over_tokens = new_width * (len(admitted) + 1) > self.max_prefill_tokens
             if (over_rows and rows > 0) or (over_tokens and admitted):
@@ -323,6 +265,10 @@ class LocalEngine:
             if budget is not None:
                 peak = self.runner.peak_kv_tokens(rows + len(unit.samples), new_final,
                                                   new_slots, budget)
+                lone = self.runner.kv_pages(longest) + self.runner.kv_pages(1)  # + scratch
+                if lone > budget:  # one sample alone would outgrow the pool: never admit it
+                    self._refuse(self._waiting.popleft(), lone, budget)
+                    continue
                 if peak > budget:
                     if rows == 0 and not admitted:  # it would not fit on an idle engine either
                         self._refuse(self._waiting.popleft(), peak, budget)
@@ -338,7 +284,7 @@ class LocalEngine:
     def _refuse(self, unit: _Prefill, peak: int, budget: int) -> None:
         """Finish a prompt whose samples' KV cannot fit the cache (as aborted, with why)."""
         samples = unit.samples
-        message = (f"{len(samples)} sample(s) of up to {_final_length(samples[0])} tokens need "
+        message = (f"{len(samples)} sample(s) of up to {final_length(samples[0])} tokens need "
                    f"{peak} KV token slots; the engine holds {budget} (--max-total-tokens, or "
                    "--mem-fraction-static of the device); lower max_new_tokens or n, or give "
                    "the engine more memory")
@@ -382,6 +328,10 @@ class LocalEngine:
 
     def _decode(self) -> None:
         oom_point("engine_decode")
+        self._make_room()
+        if not self._rows:  # every row had finished
+            return
+        self.admission.decoded()
         rows = self._rows  # finished rows stay until compaction; their results are ignored
         want_routes = any(s.request.return_routed_experts and s.finish is None for s in rows)
         if self.runner.lora is not None:
@@ -397,6 +347,26 @@ class LocalEngine:
         else:
             self._sample_into(rows, out.logits, self._batch_sampling(out.logits.device))
         self._settle()
+
+    def _make_room(self) -> None:
+        """Retract rows until this decode step's new KV pages fit the pool (admission.py)."""
+        pages = self.runner.kv_step_pages()
+        if pages is None or sum(pages[1]) <= pages[2]:
+            return
+        self._settle(compact=True)  # finished rows hold pages too
+        held, wants, free = self.runner.kv_step_pages()
+        victims = self.admission.to_retract(self._rows, held, wants, free)
+        if not victims:
+            return
+        out = set(victims)
+        self._waiting.extendleft(reversed([
+            _Prefill([self._rows[i]], self._rows[i].request.prompt_ids + self._rows[i].output_ids)
+            for i in victims]))
+        keep = [i for i in range(len(self._rows)) if i not in out]
+        self.runner.keep_rows(keep)
+        self._set_rows([self._rows[i] for i in keep])
+        logger.info("KV pool short: retracted %d row(s) (%d so far); %d run", len(victims),
+                    self.admission.retractions, len(keep))
 
     def _batch_sampling(self, device: torch.device) -> BatchSampling:
         """The running rows' sampling settings (built once per batch composition)."""

@@ -309,6 +309,11 @@ class ModelRunner:
             return 0
         return self.native.cache.pages_for(length) * self.native.cache.page_size
 
+    def kv_step_pages(self) -> tuple[list[int], list[bool], int] | None:
+        """Native path: per running row the KV pages it holds and whether the next decode step
+        gives it one more, and the pool's free pages (None on the HF path)."""
+        return None if self.native is None else self.native.step_pages()
+
     def peak_kv_tokens(self, rows: int, length: int, slots: int, pool: int | None = None) -> int:
         """KV token slots held at the peak of running ``rows`` rows of up to ``length`` tokens
         that hold ``slots`` slots in all (:meth:`kv_pages` of their final lengths): exact on the

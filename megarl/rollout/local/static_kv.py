@@ -489,9 +489,17 @@ class NativeDecoder:
         picks = picks.cpu()  # the step's one device synchronisation
         return logits, routes, (picks[0].long().tolist(), picks[1].float().tolist())
 
+    def step_pages(self) -> tuple[list[int], list[bool], int]:
+        """Per running row the pages it holds and whether the next decode step gives it one
+        more (its next token starts a page), and the free pages."""
+        held = [len(pages) for pages in self.cache.row_pages]
+        wants = [n >= size * self.cache.page_size
+                 for n, size in zip(self.lengths.tolist(), held)]
+        return held, wants, self.cache.free_pages
+
     def _take_pages(self) -> None:
-        """Give each row whose next token starts a page that page (growing the pool first where
-        nothing reserved it)."""
+        """Give each row whose next token starts a page that page. A pool that nothing reserved
+        grows first; a reserved one does not (the engine retracts rows before it runs short)."""
         size = self.cache.page_size
         rows = (self.lengths % size == 0).nonzero()[:, 0].tolist()
         if not rows:
@@ -499,7 +507,7 @@ class NativeDecoder:
         lengths = (self.lengths[rows] + 1).tolist()
         need = sum(self.cache.pages_for(n) - len(self.cache.row_pages[r])
                    for r, n in zip(rows, lengths))
-        if need > self.cache.free_pages:
+        if need > self.cache.free_pages and self.pool_pages is None:
             self._grow(self._pages_in_use() + need)
         self.cache.extend(rows, lengths)
 
