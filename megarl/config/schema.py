@@ -80,11 +80,13 @@ class RolloutConfig(Section):
         "SGLang's `mem_fraction_static`: an engine's KV cache gets what is free on its GPU "
         "after its weights load, less 1 - this fraction of what was free before they did "
         "(memory a colocated actor still holds is not the engine's); the embedded engine "
-        "sizes it the same way and admits rows only while their KV cache at "
-        "full length fits what it leaves next to the weights; a decode or prefill that still "
-        "runs out of device memory is retracted, its KV budget shrunk to 3/4 of what the cache "
-        "held, and rerun to the same tokens; after 3 failures in a row `/generate` answers 500 "
-        "with the free memory and who holds it)"))
+        "sizes its page pool the same way and admits rows while their pages fit it (a row "
+        "that cannot stop early at its full length, others at their prompt plus a share of "
+        "max_new_tokens that decays from 0.7 to 0.098 as SGLang's scheduler counts them; rows are "
+        "retracted and rerun when the pool runs short); a decode or prefill that still runs "
+        "out of device memory is retracted, its KV budget shrunk to 3/4 of what the cache held "
+        "until the cache is next released, and rerun to the same tokens; after 3 failures in a "
+        "row `/generate` answers 500 with the free memory and who holds it)"))
     colocate: bool = Field(True, description=(
         "engines share the train pool's GPUs (memory is released between phases); false = a "
         "separate `resources.rollout_pool`"))

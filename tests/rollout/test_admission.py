@@ -11,6 +11,7 @@ from megarl.rollout.local.admission import (
     DECAY_STEPS,
     INIT_RATIO,
     MIN_RATIO,
+    RETRACT_STEPS,
     KVAdmission,
     final_length,
 )
@@ -32,9 +33,10 @@ def test_expected_length_counts_a_ratio_of_what_a_row_may_still_draw():
     forced = Row(100, 1000, stop_ids=frozenset(), output_ids=[5] * 200)
     assert admission.expected_length(forced) == 1100  # it cannot stop: all of it
     assert admission.expected_length(Row(10, 3)) == 10 + 3  # 0.7 x 3 rounds up to 3
+    assert admission.expected_length(Row(10, 100_000)) == 10 + 2868  # 0.7 x 4,096 at most
 
 
-def test_the_ratio_decays_to_its_floor_and_resets_on_retraction():
+def test_the_ratio_decays_to_its_floor_and_follows_the_rows_left_after_a_retraction():
     admission = KVAdmission()
     for _ in range(DECAY_STEPS // 2):
         admission.decoded()
@@ -42,9 +44,14 @@ def test_the_ratio_decays_to_its_floor_and_resets_on_retraction():
     for _ in range(DECAY_STEPS):
         admission.decoded()
     assert admission.ratio == MIN_RATIO
+    assert MIN_RATIO == pytest.approx(0.098)  # SGLang's 0.7 x 0.14
     rows = [Row(10, 100, output_ids=[1] * 5), Row(10, 100, output_ids=[1] * 9)]
     assert admission.to_retract(rows, held=[1, 1], wants=[True, True], free=1) == [0]
-    assert admission.ratio == INIT_RATIO and admission.retractions == 1
+    assert admission.retractions == 1
+    assert admission.ratio == pytest.approx((9 + RETRACT_STEPS) / 101)  # row 1 stays
+    rows = [Row(10, 100, output_ids=[1] * 5), Row(10, 50, output_ids=[1] * 45)]
+    admission.to_retract(rows, held=[1, 1], wants=[True, True], free=1)
+    assert admission.ratio == 1.0  # 45 + 20 of 50: capped
 
 
 def test_retraction_takes_the_fewest_drawn_tokens_first_and_keeps_one_row():
