@@ -18,6 +18,7 @@ part("splits_agree", lambda: c.check_splits_agree("cpu"))
 part("qwen_shapes", lambda: c.check_qwen_shapes("cpu"))
 for splits in (None, 1, 3):
     part(f"paged_{splits}", lambda: c.check_paged("cpu", splits=splits))
+part("paged_page_64", lambda: c.check_paged("cpu", page=64))  # a tile in one page
 part("refuses", lambda: c.check_refuses_bad_inputs("cpu"))
 from megarl.rollout.local.decode_attention_triton import MIN_CHUNK, num_splits
 part("num_splits", lambda: [MIN_CHUNK, num_splits(512, 8, 2560, 264), num_splits(4, 4, 2560, 264),
@@ -43,9 +44,11 @@ def test_the_e2e_shapes_head_layouts(report):
     print("largest error:", result(report, "qwen_shapes"))
 
 
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_paged_attention_equals_the_rectangle_and_fp32(report, splits):
-    print("largest error against the rectangle:", result(report, f"paged_{splits}"))
+@pytest.mark.parametrize("case", ["None", "1", "3", "page_64"])
+def test_paged_attention_equals_the_rectangle_and_fp32(report, case):
+    """16-token pages (each key tile spans pages) at 1, 3 and the default splits; 64-token
+    pages (each tile in one page: one page id per tile)."""
+    print("largest error against the rectangle:", result(report, f"paged_{case}"))
 
 
 def test_bad_inputs_are_refused_with_the_shapes(report):

@@ -60,7 +60,11 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, used_ptr, pages_ptr, o_ptr, lse_ptr, ou
         t = first + tl.arange(0, BLOCK)
         t_ok = t < end
         kv_ok = t_ok[:, None] & d_ok[None, :]
-        if PAGE > 0:  # token t of the row is at slot t % PAGE of page pages[row, t // PAGE]
+        if PAGE > 0 and PAGE % BLOCK == 0:  # the tile lies in one page: one page id
+            page = tl.load(pages_ptr + row * pages_row + first // PAGE).to(tl.int64)
+            k_at = page * k_row + (t % PAGE).to(tl.int64) * k_tok
+            v_at = page * v_row + (t % PAGE).to(tl.int64) * v_tok
+        elif PAGE > 0:  # token t of the row is at slot t % PAGE of page pages[row, t // PAGE]
             page = tl.load(pages_ptr + row * pages_row + t // PAGE, mask=t_ok, other=0)
             page = page.to(tl.int64)
             k_at = page * k_row + (t % PAGE).to(tl.int64) * k_tok
