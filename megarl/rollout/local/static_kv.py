@@ -215,6 +215,10 @@ class NativeDecoder:
             page_bytes = self.cache.bytes_per_token * self.cache.page_size
             limit = int((free - POOL_HEADROOM * total) // page_bytes) - 1
         if self.cache.ensure_pool(pages, self.pool_pages, limit):
+            logger.info("KV pool: %d pages of %d tokens (%.2f GiB) for %d pages in use, reserved "
+                        "%s, device limit %s", self.cache.pages_cap, self.cache.page_size,
+                        self.cache.allocated_tokens * self.cache.bytes_per_token / 2**30, pages,
+                        self.pool_pages, limit)
             self.graphs.drop()
             if self.device.type == "cuda":  # the old pool and the graphs' pool go back to the
                 torch.cuda.empty_cache()     # device: what the budget counts is what is held
