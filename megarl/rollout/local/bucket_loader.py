@@ -217,9 +217,10 @@ class BucketLoader:
                 live.numel() != numel or not live.is_contiguous()
                 for live, (_, numel, _) in zip(lives, plan.lives)):
             return self.weights.load_many(unflatten(payload))
-        if plan.runs and plan.runs[-1][1] > flat.numel():
+        end = max((run[1] for run in plan.runs), default=0)
+        if end > flat.numel():
             raise ValueError(f"the flat tensor has {flat.numel()} bytes; its records end at "
-                             f"byte {plan.runs[-1][1]}")
+                             f"byte {end}")
         srcs: list[torch.Tensor] = []
         for start, end, dtype, sizes in plan.runs:
             piece = flat[start:end]
