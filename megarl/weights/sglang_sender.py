@@ -34,6 +34,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megarl.weights.bucket_layout import (
+    LayoutCache,
+    bucket_layout,
+    cast_bucket,
+    iter_layouts,
+    pack_layout,
+)
 from megarl.weights.buckets import dtype_name, parse_dtype
 from megarl.weights.flattened import (
     FLATTENED_BUCKET,
@@ -43,13 +50,7 @@ from megarl.weights.flattened import (
     view_payload,
     zero_copy_groups,
 )
-from megarl.weights.fp8 import (
-    FP8_DTYPE,
-    is_quantized_shape,
-    quantize_blockwise,
-    scale_name,
-    scale_shape,
-)
+from megarl.weights.fp8 import FP8_DTYPE, is_quantized_shape, scale_name, scale_shape
 
 BucketSpec = list[tuple[str, list[int], str]]
 """One bucket of a plan: (HF name, shape, dtype sent) of each tensor, in send order."""
@@ -104,60 +105,30 @@ def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], dtype: str, bucket_
     return plan
 
 
-def bucket_bytes(bucket: BucketSpec) -> int:
-    """Bytes of one bucket's tensors as sent. :func:`plan_buckets` leaves every tensor aligned,
-    so ``flatten_into`` pads nothing and this is its exact size; it also matches the unpadded
-    ``bucket_metadata`` the receiver of a broadcast uses."""
-    return sum(_entry_bytes(e) for e in bucket)
-
-
 def iter_buckets(named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec]
                  ) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The export's tensors as ``plan`` sends them (cast to the planned dtype, or quantized to
     block FP8 with the scale after the weight, on the tensor's device), grouped in its buckets;
     raises when the export does not yield the planned tensors (a plan made for another model
     or layout)."""
-    items = iter(named)
-    for index, bucket in enumerate(plan):
-        out: list[tuple[str, torch.Tensor]] = []
-        entries = iter(bucket)
-        for name, shape, dtype in entries:
-            got = next(items, None)
-            if got is None or got[0] != name or list(got[1].shape) != list(shape):
-                found = "nothing" if got is None else f"{got[0]} {list(got[1].shape)}"
-                raise RuntimeError(f"weight sync: bucket {index} expects {name} {shape}, the "
-                                   f"export yielded {found}; the plan is stale")
-            tensor = got[1].detach()
-            if parse_dtype(dtype) == FP8_DTYPE:
-                weight, scale = quantize_blockwise(tensor)
-                scale_entry = next(entries)
-                out += [(name, weight), (scale_entry[0], scale)]
-            else:
-                out.append((name, tensor.to(parse_dtype(dtype))))
-        yield out
-    extra = next(items, None)
-    if extra is not None:
-        raise RuntimeError(f"weight sync: the export yielded {extra[0]} after the last planned "
-                           "tensor; the plan is stale")
-
-
-def _bucket_buffer(plan: Sequence[BucketSpec], device: torch.device) -> torch.Tensor:
-    size = max(bucket_bytes(b) for b in plan)
-    return torch.empty(size, dtype=torch.uint8, device=device)
+    for layout, tensors in iter_layouts(named, [bucket_layout(b) for b in plan]):
+        yield cast_bucket(layout, tensors)
 
 
 def broadcast_buckets(named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
                       group: dist.ProcessGroup | None, device: torch.device) -> int:
     """Rank 0 of the weight group (``group`` given) broadcasts each bucket's flat bytes; other
     train ranks (``group=None``) only take part in the export. Returns the bytes sent."""
+    layouts = [bucket_layout(b) for b in plan]
     buffer = None
     sent = 0
-    for bucket in iter_buckets(named, plan):
+    for layout, tensors in iter_layouts(named, layouts):
         if group is None:
             continue
         if buffer is None:
-            buffer = _bucket_buffer(plan, device)
-        flat = flatten_into(buffer, bucket)["flattened_tensor"]
+            size = max(lay.size for lay in layouts)
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+        flat = pack_layout(buffer, layout, tensors)["flattened_tensor"]
         dist.broadcast(flat, src=0, group=group)
         sent += flat.numel()
     return sent
@@ -209,6 +180,8 @@ class ColocatedSender:
         self.size = gpus_per_engine
         self.leader = self.engine * gpus_per_engine
         self.zero_copy = zero_copy
+        self.layouts = LayoutCache()
+        """The plan's bucket layouts, kept from sync to sync while the plan is unchanged."""
         self.seconds: dict[str, float] = {}
         """Where the last :meth:`send` spent its time: ``pack`` (export, cast, copy into the
         bucket, serialize, gather) and ``engine`` (waiting for the engine's replies)."""
@@ -244,22 +217,26 @@ class ColocatedSender:
         self.seconds = {"pack": 0.0, "engine": 0.0}
         self.posts = {"zero_copy": 0, "packed": 0}
         start = time.perf_counter()
-        for index, bucket in enumerate(iter_buckets(named, plan)):
-            groups, rest = (zero_copy_groups(bucket, device) if self.zero_copy and self.size == 1
-                            else ([], bucket))
-            payloads = [view_payload(group) for group in groups]
+        layouts = self.layouts.get(plan)
+        for index, (layout, tensors) in enumerate(iter_layouts(named, layouts)):
+            payloads, rest, need = [], None, layout.size
+            if self.zero_copy and self.size == 1:
+                groups, rest = zero_copy_groups(cast_bucket(layout, tensors), device)
+                payloads = [view_payload(group) for group in groups]
+                need = flattened_size(rest)
             self.posts["zero_copy"] += len(payloads)
-            if rest:
+            if need:
                 # buffers[copies % 2] held the packed post before last, whose reply came before
                 # the last post went out: at most two packed buffers, one in flight
-                slot, need = copies % 2, flattened_size(rest)
+                slot = copies % 2
                 if buffers[slot] is None or buffers[slot].numel() < need:
                     buffers[slot] = None
                     buffers[slot] = torch.empty(need, dtype=torch.uint8, device=device)
-                payloads.append(flatten_into(buffers[slot], rest))
+                payloads.append(pack_layout(buffers[slot], layout, tensors) if rest is None
+                                else flatten_into(buffers[slot], rest))
                 copies += 1
                 self.posts["packed"] += 1
-            sent += sum(t.numel() * t.element_size() for _, t in bucket)
+            sent += layout.size
             for number, payload in enumerate(payloads):
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()

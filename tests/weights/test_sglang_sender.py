@@ -190,3 +190,38 @@ def test_an_fp8_engine_receives_the_blockwise_quantization_of_what_was_sent(
                                     else 4) for n, t in expected.items())
     for name, tensor in expected.items():
         assert torch.equal(held[name], tensor), name
+
+
+def send_packed_three_times(model_dir: str, urls: list[str]) -> list[int]:
+    """One packing sender, three syncs of model ``model_dir``'s tensors (x1, x2, x3): the
+    second changes the plan (other buckets), the third repeats it; the layouts built each."""
+    import torch.distributed as dist
+
+    from megarl.weights.sglang_sender import ColocatedSender, plan_buckets
+
+    named = list(iter_safetensors(model_dir))
+    specs = [(n, list(t.shape)) for n, t in named]
+    sender = ColocatedSender(dist.get_rank(), 1, urls, 1)
+    builds = []
+    try:
+        for scale, bucket_mb in ((1.0, 0.002), (2.0, 1.0), (3.0, 1.0)):
+            plan = plan_buckets(specs, "float32", bucket_mb)
+            sender.send(iter([(n, t * scale) for n, t in named]), plan, torch.device("cpu"),
+                        f"x{scale:g}")
+            builds.append(sender.layouts.builds)
+    finally:
+        sender.close()
+    return builds
+
+
+def test_the_packing_sender_reuses_its_layouts_only_for_an_unchanged_plan(models, servers):
+    """Packed buckets (the default): every sync leaves the engine holding exactly what was
+    sent, after a plan change as before it."""
+    _, b_dir = models
+    builds = run_on_ranks(1, send_packed_three_times, str(b_dir), [servers[0].url])[0]
+    assert builds == [1, 2, 2]
+    expected = list(iter_safetensors(b_dir))
+    held, version = engine_tensors(servers[0].url, [n for n, _ in expected])
+    assert version == "x3"
+    for name, tensor in expected:
+        assert torch.equal(held[name], tensor * 3.0), name

@@ -4,19 +4,22 @@ Tensors arrive by broadcast over a weight-update process group (``/init_weights_
 then one ``/update_weights_from_distributed`` per bucket), as serialized tensors
 (``/update_weights_from_tensor``) or from an HF directory (``/update_weights_from_disk``).
 Receiving happens on the caller's thread; the copy into the model happens on the engine thread
-between generation steps (:meth:`LocalEngine.call`), so no forward sees half a bucket.
-Every method returns ``(success, message)`` like SGLang's endpoints.
+between generation steps (:meth:`LocalEngine.call`), so no forward sees half a bucket. A
+``flattened_bucket`` is copied by a :class:`~megarl.rollout.local.bucket_loader.BucketLoader`,
+which plans each distinct bucket once. Every method returns ``(success, message)`` like SGLang's endpoints.
 """
 
 from __future__ import annotations
 
+import functools
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from megarl.rollout.local.bucket_loader import BucketLoader, BucketRecords, bucket_records
 from megarl.rollout.local.engine import LocalEngine
 from megarl.rollout.local.weights import (
     WeightsChecker,
@@ -27,7 +30,7 @@ from megarl.rollout.weight_group import (
     open_weight_update_group,
     parse_dtype,
 )
-from megarl.weights.flattened import FLATTENED_BUCKET, bucket_metadata, deserialize, unflatten
+from megarl.weights.flattened import FLATTENED_BUCKET, bucket_metadata, deserialize
 
 Outcome = tuple[bool, str]
 
@@ -39,6 +42,8 @@ class WeightReceiver:
         self.engine = engine
         self.weights = engine.runner.weight_map
         self.checker = WeightsChecker(self.weights)
+        self.loader = BucketLoader(self.weights)
+        """Flattened buckets' copy plans, kept from sync to sync (used on the engine thread)."""
         self.groups: dict[str, dist.ProcessGroup] = {}
 
     def _on_engine(self, fn: Any) -> Any:
@@ -54,11 +59,28 @@ class WeightReceiver:
         if unknown:
             return False, (f"{len(unknown)} unknown weight names, e.g. {unknown[:3]}; the model "
                            f"has e.g. {self.weights.checkpoint_names()[:3]}")
+        return self._update(lambda: functools.partial(self.weights.load_many, named),
+                            weight_version, abort_all)
 
+    def _apply_bucket(self, records: BucketRecords, payload: dict[str, Any],
+                      weight_version: str | None, abort_all: bool = False) -> Outcome:
+        """Load a ``flattened_bucket`` payload (its ``records`` read already) through the
+        :class:`BucketLoader`, every record checked before requests are aborted."""
+        def prepare() -> Callable[[], int]:
+            plan = self.loader.plan(records)
+            return functools.partial(self.loader.load, records, payload, plan)
+
+        return self._update(prepare, weight_version, abort_all)
+
+    def _update(self, prepare: Callable[[], Callable[[], int]], weight_version: str | None,
+                abort_all: bool) -> Outcome:
+        """On the engine thread: ``prepare()`` returns the write (or raises ``ValueError``),
+        requests are aborted if asked, the write runs and the new weight version is stamped."""
         def load() -> int:
+            write = prepare()
             if abort_all:
                 self.engine.abort_requests(None, "aborted for a weight update")
-            count = self.weights.load_many(named)
+            count = write()
             if weight_version is not None:
                 self.engine.weight_version = str(weight_version)
             return count
@@ -122,8 +144,9 @@ class WeightReceiver:
                 dist.broadcast(flat, src=0, group=group)
             except RuntimeError as err:
                 return False, f"broadcast of a {flat.numel()}-byte bucket failed: {err}"
-            received = unflatten({"flattened_tensor": flat, "metadata": metadata})
-            return self._apply(received, weight_version, abort_all)
+            return self._apply_bucket(bucket_records(metadata),
+                                      {"flattened_tensor": flat, "metadata": metadata},
+                                      weight_version, abort_all)
         received = []
         try:
             for name, dtype, shape in zip(names, torch_dtypes, shapes):
@@ -148,10 +171,15 @@ class WeightReceiver:
                            f"{FLATTENED_BUCKET}")
         try:
             payload = deserialize(serialized[0])
-            named = (unflatten(payload) if load_format == FLATTENED_BUCKET
-                     else [(str(n), t) for n, t in payload])
-        except (ValueError, TypeError, KeyError, pickle.UnpicklingError, RuntimeError) as err:
+            if load_format == FLATTENED_BUCKET:
+                records = bucket_records(payload["metadata"])
+            else:
+                named = [(str(n), t) for n, t in payload]
+        except (ValueError, TypeError, KeyError, AttributeError, pickle.UnpicklingError,
+                RuntimeError) as err:
             return False, f"serialized_named_tensors[0] could not be read: {err}"
+        if load_format == FLATTENED_BUCKET:
+            return self._apply_bucket(records, payload, weight_version, abort_all)
         return self._apply(named, weight_version, abort_all)
 
     def from_disk(self, model_path: str, weight_version: str | None,

@@ -121,8 +121,24 @@ class WeightMap:
         """Whether ``name`` is a checkpoint name or a parameter of the model."""
         return name in self._specs or name in self._live
 
-    def _target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """The view ``tensor`` is written to, after checking that it can be."""
+    def location(self, name: str) -> tuple[str, tuple[int, ...], tuple[int, ...], int]:
+        """(live tensor's own name, size, stride, element offset from the live tensor's) of the
+        view behind a checkpoint or parameter name."""
+        if name in self._specs:
+            return self._specs[name]
+        if name in self._live:
+            live = self._live[name]
+            return name, tuple(live.shape), live.stride(), 0
+        raise UnknownWeight(f"weight {name!r} is not a checkpoint name or parameter of the "
+                            f"model (e.g. {self.checkpoint_names()[:3]})")
+
+    def live(self, name: str) -> torch.Tensor:
+        """The live parameter or buffer called ``name`` (its data, as it is now)."""
+        return self._live[name].data
+
+    def target(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """The view ``tensor`` is written to, after checking that it can be (its shape and dtype
+        only are read: a meta tensor will do)."""
         target = self.view(name)
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"weight {name}: got shape {tuple(tensor.shape)}, the model has "
@@ -136,10 +152,16 @@ class WeightMap:
     @torch.no_grad()
     def load(self, name: str, tensor: torch.Tensor) -> None:
         """Copy ``tensor`` into the weight called ``name`` (shapes must match)."""
-        target = self._target(name, tensor)
+        target = self.target(name, tensor)
         target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         if self._unwritten:
             self._written(name)
+
+    def mark_written(self, names: Iterable[str]) -> None:
+        """A load wrote ``names`` (what :meth:`unwritten` reports no longer includes them)."""
+        if self._unwritten:
+            for name in names:
+                self._written(name)
 
     def _key(self, name: str) -> tuple:
         live_name, size, stride, offset = self._specs[name]
@@ -184,7 +206,7 @@ class WeightMap:
         ``torch._foreach_copy_`` (a few launches for thousands of tensors: a sync's experts),
         unless two names write the same memory (tied weights), which are loaded in order."""
         named = list(named)
-        targets = [self._target(name, tensor) for name, tensor in named]
+        targets = [self.target(name, tensor) for name, tensor in named]
         if len({(t.data_ptr(), t.shape, t.stride()) for t in targets}) < len(targets):
             for name, tensor in named:
                 self.load(name, tensor)
@@ -198,9 +220,7 @@ class WeightMap:
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
         if dsts:
             torch._foreach_copy_(dsts, srcs)
-        if self._unwritten:
-            for name, _ in named:
-                self._written(name)
+        self.mark_written(name for name, _ in named)
         return len(named)
 
 
