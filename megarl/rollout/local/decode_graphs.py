@@ -118,8 +118,9 @@ class DecodeGraphs:
                         torch.zeros(bucket, dtype=torch.long, device=device))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            decoder.step(tokens, positions, span, sampling)
+        with torch.cuda.stream(stream):  # the warm-up runs: it must not write the rows' pages
+            decoder.step(tokens, positions, span, sampling,
+                         torch.zeros_like(decoder.cache.table[:bucket]))
         torch.cuda.current_stream().wait_stream(stream)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

@@ -440,14 +440,16 @@ class NativeDecoder:
         return out.reshape(rows, -1)
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, span: int,
-              sampling: tuple[torch.Tensor, torch.Tensor] | None = None):
+             sampling: tuple[torch.Tensor, torch.Tensor] | None = None,
+             table: torch.Tensor | None = None):
         """One decode step of all rows: logits ``[rows, V]`` fp32, routes ``[rows, L, K]`` and,
         with ``sampling`` (temperatures, seeds), the drawn tokens and their log-probs as
-        ``[2, rows]`` fp64."""
+        ``[2, rows]`` fp64. ``table``: the page table's rows to use (default: the running
+        rows'; a graph's warm-up passes zeros, so that it writes to the scratch page only)."""
         h = self.model.model.embed_tokens(tokens)
         tables = self._tables(h, positions)
         rows, size = tokens.shape[0], self.cache.page_size
-        table = self.cache.table[:rows]
+        table = self.cache.table[:rows] if table is None else table
         column = torch.div(positions, size, rounding_mode="floor")
         # a padded graph row is at position 0 of a table row of zeros: the scratch page
         step = {"positions": positions, "table": table, "offsets": positions - column * size,
