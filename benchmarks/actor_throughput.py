@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -36,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megarl.data.tiny_model import make_tiny_model
+from megarl.net import free_port
 
 # HF config overrides per shape: arch plus tiny_config_dict fields.
 SHAPES: dict[str, dict[str, Any]] = {
@@ -344,9 +344,7 @@ def init_single_rank() -> None:
 
     if dist.is_initialized():
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(0)

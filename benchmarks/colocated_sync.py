@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rollout_throughput import build_model
 
+from megarl.net import free_port
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.local.weights import iter_safetensors
 from megarl.weights.sglang_sender import ColocatedSender, plan_buckets
@@ -107,9 +107,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     tmp = Path(tempfile.mkdtemp())
     model_dir = build_model(tmp, args.shape, args.device)

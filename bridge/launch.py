@@ -17,7 +17,6 @@ from __future__ import annotations
 import atexit
 import os
 import queue
-import socket
 import sys
 import time
 import traceback
@@ -29,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bridge.checks import ConversionError
+from megarl.net import free_port
 
 Runner = Callable[..., list]
 """``runner(world_size, fn, *args) -> [fn(*args) on rank 0, ..., on rank world_size - 1]``."""
@@ -36,12 +36,6 @@ Runner = Callable[..., list]
 
 class RankFailure(RuntimeError):
     """A rank raised an unexpected exception or died; the message holds its traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def quiet_library_warnings() -> None:
@@ -129,7 +123,7 @@ class LocalRanks:
         self.world_size = world_size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self._procs = [
             ctx.Process(target=_rank_main,
                         args=(r, world_size, port, backend, self._tasks[r], self._results))

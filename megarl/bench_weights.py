@@ -28,7 +28,6 @@ import argparse
 import multiprocessing
 import os
 import queue
-import socket
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from typing import Any
 import torch
 
 from megarl.children import die_with_parent, in_spawner_thread
+from megarl.net import free_port
 
 BACKENDS = ("nccl", "nixl", "ipc", "disk")
 MB = 1 << 20
@@ -252,9 +252,7 @@ def run_ranks(job: RankJob, timeout_s: float) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
     world = job.tp * job.pp * job.ep
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, job, results), daemon=True)

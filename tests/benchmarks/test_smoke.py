@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megarl.net import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,11 +74,7 @@ def test_client_requests_smoke_compares_both_ways(capsys):
 
 def test_export_benchmark_reports_all_three_paths(tmp_path):
     out = tmp_path / "export.json"
-    import socket
-
-    with socket.socket() as sock:  # a free port for the benchmark's one-rank group
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # for the benchmark's one-rank group
     env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "MASTER_PORT": str(port)}
     subprocess.run([sys.executable, str(ROOT / "benchmarks" / "export_weights.py"), "--experts",

@@ -10,7 +10,6 @@ with the snapshot.
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import pytest
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megarl.data.tiny_model import make_tiny_model
+from megarl.net import free_port
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.local.weights import iter_safetensors
 from megarl.rollout.sglang.client import SGLangClient
@@ -61,9 +61,7 @@ def one_buffer(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.T
 def test_a_large_model_arrives_bit_exact_over_cuda_ipc(model_dir, tmp_path, layout):
     (server,) = launch_local_engines(str(model_dir), 1, device="cuda", log_dir=tmp_path,
                                      extra_args=["--dtype", "bfloat16"], ready_timeout_s=300)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         snapshot, reset = checker(server.url, "snapshot", "reset_tensors")
