@@ -3,7 +3,8 @@
 Requests (one prompt, ``n`` samples) wait in a queue; every step admits waiting prompts up to
 the row, prefill-token and KV-cache budgets (``max_total_tokens``: the token slots the KV cache
 may hold at its peak, each row at its final length: on the native path the pages of each row's
-own length, as SGLang's ``--max-total-tokens`` bounds its pool), prefills them together (the prompt once, its KV copied to the ``n`` sample rows),
+own length, as SGLang's ``--max-total-tokens`` bounds its pool), prefills them together (the
+prompt once, its KV copied to the ``n`` sample rows),
 samples their first tokens and adds them to the running batch; then the whole batch decodes one
 token. Requests that arrive while others run join at the next step. A row may name a LoRA
 adapter (``lora_path``) applied to its rows only (lora_serving.py; counted per adapter).
@@ -58,6 +59,11 @@ class _Prefill:
 
     samples: list[Sample]
     context: list[int]
+
+    @classmethod
+    def retracted(cls, sample: Sample) -> _Prefill:
+        """A running row taken out with its tokens: prefilled again with prompt + drawn tokens."""
+        return cls([sample], sample.request.prompt_ids + sample.output_ids)
 
 
 class LocalEngine:
@@ -251,13 +257,13 @@ class LocalEngine:
         rows, width = len(self._rows), 0
         expected = self.admission.expected_length
         final = max((final_length(s) for s in self._rows), default=0)
-        slots = sum(self.runner.kv_pages(expected(s)) for s in self._rows)
+        slots = sum(self.runner.kv_row_slots(expected(s)) for s in self._rows)
         while self._waiting:
             unit = self._waiting[0]
             new_width = max(width, len(unit.context))
             longest = max(final_length(s) for s in unit.samples)
             new_final = max(final, longest)
-            new_slots = slots + sum(self.runner.kv_pages(expected(s)) for s in unit.samples)
+            new_slots = slots + sum(self.runner.kv_row_slots(expected(s)) for s in unit.samples)
             over_rows = rows + len(unit.samples) > self.max_running_requests
             over_tokens = new_width * (len(admitted) + 1) > self.max_prefill_tokens
             if (over_rows and rows > 0) or (over_tokens and admitted):
@@ -265,7 +271,7 @@ class LocalEngine:
             if budget is not None:
                 peak = self.runner.peak_kv_tokens(rows + len(unit.samples), new_final,
                                                   new_slots, budget)
-                lone = self.runner.kv_pages(longest) + self.runner.kv_pages(1)  # + scratch
+                lone = self.runner.kv_row_slots(longest) + self.runner.kv_row_slots(1)  # + scratch
                 if lone > budget:  # one sample alone would outgrow the pool: never admit it
                     self._refuse(self._waiting.popleft(), lone, budget)
                     continue
@@ -360,8 +366,7 @@ class LocalEngine:
             return
         out = set(victims)
         self._waiting.extendleft(reversed([
-            _Prefill([self._rows[i]], self._rows[i].request.prompt_ids + self._rows[i].output_ids)
-            for i in victims]))
+            _Prefill.retracted(self._rows[i]) for i in victims]))
         keep = [i for i in range(len(self._rows)) if i not in out]
         self.runner.keep_rows(keep)
         self._set_rows([self._rows[i] for i in keep])
@@ -465,7 +470,7 @@ class LocalEngine:
             self.abort_requests(None, "aborted by pause_generation(mode=abort)")
         elif mode == "retract":
             self._settle(compact=True)
-            retracted = [_Prefill([s], s.request.prompt_ids + s.output_ids) for s in self._rows]
+            retracted = [_Prefill.retracted(s) for s in self._rows]
             self._set_rows([])
             self.runner.clear_rows()
             self._waiting.extendleft(reversed(retracted))
@@ -523,9 +528,9 @@ class LocalEngine:
             fresh = [s for s in live if not s.output_ids]
             if fresh:
                 again.append(_Prefill(fresh, unit.context))
-            again += [_Prefill([s], s.request.prompt_ids + s.output_ids)
+            again += [_Prefill.retracted(s)
                       for s in live if s.output_ids]
-        again += [_Prefill([s], s.request.prompt_ids + s.output_ids)
+        again += [_Prefill.retracted(s)
                   for s in self._rows if s.finish is None]
         self._retire([s for s in self._rows if s.finish is not None])
         self._prefilling = []

@@ -85,6 +85,11 @@ class PagedKVCache:
         """Pages no row owns."""
         return len(self._free)
 
+    @property
+    def used_pages(self) -> int:
+        """Pages the running rows own."""
+        return self.pages_cap - len(self._free)
+
     def pages_for(self, length: int) -> int:
         """Pages that hold ``length`` tokens."""
         return pages_for(length, self.page_size)
@@ -102,8 +107,7 @@ class PagedKVCache:
         target = self.pool_target(pages, pool)
         if target is None:
             return self.allocated_tokens
-        live = self.pages_cap - self.free_pages
-        return (target + 1) * self.page_size + (self.allocated_tokens if live else 0)
+        return (target + 1) * self.page_size + (self.allocated_tokens if self.used_pages else 0)
 
     # ----- allocation -----
     def ensure_pool(self, pages: int, pool: int | None = None, limit: int | None = None) -> bool:
@@ -115,7 +119,7 @@ class PagedKVCache:
             return False
         if limit is not None:
             target = max(pages, min(target, limit))
-        live = self.pages_cap - self.free_pages > 0
+        live = self.used_pages > 0
         old_k, old_v = (self.keys, self.values) if live else ([], [])
         if not live:
             self.keys, self.values = [], []

@@ -302,7 +302,7 @@ class ModelRunner:
         """KV token slots the native path's cache holds now (0 on the HF path)."""
         return self.native.cache.allocated_tokens if self.native is not None else 0
 
-    def kv_pages(self, length: int) -> int:
+    def kv_row_slots(self, length: int) -> int:
         """KV token slots a row of ``length`` tokens holds on the native path (its pages; 0 on
         the HF path, whose padded batch :meth:`peak_kv_tokens` counts by its rectangle)."""
         if self.native is None:
@@ -316,7 +316,7 @@ class ModelRunner:
 
     def peak_kv_tokens(self, rows: int, length: int, slots: int, pool: int | None = None) -> int:
         """KV token slots held at the peak of running ``rows`` rows of up to ``length`` tokens
-        that hold ``slots`` slots in all (:meth:`kv_pages` of their final lengths): exact on the
+        that hold ``slots`` slots in all (:meth:`kv_row_slots` of their final lengths): exact on the
         native path (its page pool, allocated at ``pool`` slots where it must grow, with the
         copy of the live pages); on the HF path the padded ``rows x length`` batch."""
         if self.native is not None:

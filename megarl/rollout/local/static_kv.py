@@ -163,7 +163,7 @@ class NativeDecoder:
         """Add prefilled rows after the running ones."""
         start, lengths = self.rows, kv.lengths.tolist()
         self._ensure_table(start + kv.rows, max(max(lengths), self._longest()) + 1)
-        self._grow(self._pages_in_use() + sum(self.cache.pages_for(n) for n in lengths))
+        self._grow(self.cache.used_pages + sum(self.cache.pages_for(n) for n in lengths))
         self.cache.add_rows(lengths)
         self.cache.write(start, kv)
         self.lengths = torch.cat([self.lengths, kv.lengths])
@@ -195,9 +195,6 @@ class NativeDecoder:
     def _longest(self) -> int:
         return int(self.lengths.max()) if self.rows else 0
 
-    def _pages_in_use(self) -> int:
-        return self.cache.pages_cap - self.cache.free_pages
-
     def _ensure_table(self, rows: int, length: int) -> None:
         if self.cache.ensure_table(row_bucket(rows) if self.use_graphs else rows, length):
             self.graphs.drop()
@@ -210,7 +207,7 @@ class NativeDecoder:
             free, total = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
                 self.device)
-            if not self._pages_in_use():  # the old pool goes before the new one comes
+            if not self.cache.used_pages:  # the old pool goes before the new one comes
                 free += self.cache.allocated_tokens * self.cache.bytes_per_token
             page_bytes = self.cache.bytes_per_token * self.cache.page_size
             limit = int((free - POOL_HEADROOM * total) // page_bytes) - 1
@@ -227,14 +224,17 @@ class NativeDecoder:
         """Room for ``rows`` running rows of up to ``length`` tokens that hold ``pages`` pages
         in all at their final lengths (the running rows and the ones about to join); a pool
         that must grow is allocated with ``pool`` token slots (a budget), else twice its size."""
-        self.pool_pages = None if pool is None else pool // self.cache.page_size - 1
+        self.pool_pages = self._pool_pages(pool)
         self._ensure_table(rows, length + 1)
         self._grow(pages)
 
     def peak_kv_tokens(self, pages: int, pool: int | None = None) -> int:
         """Token slots allocated at the peak of :meth:`reserve` with ``pages`` and ``pool``."""
-        return self.cache.peak_tokens(pages, None if pool is None else
-                                      pool // self.cache.page_size - 1)
+        return self.cache.peak_tokens(pages, self._pool_pages(pool))
+
+    def _pool_pages(self, pool: int | None) -> int | None:
+        """The usable pages of a pool of ``pool`` token slots (one page is scratch)."""
+        return None if pool is None else pool // self.cache.page_size - 1
 
     # ----- forward pieces -----
     def _norm(self, module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -514,7 +514,7 @@ class NativeDecoder:
         need = sum(self.cache.pages_for(n) - len(self.cache.row_pages[r])
                    for r, n in zip(rows, lengths))
         if need > self.cache.free_pages and self.pool_pages is None:
-            self._grow(self._pages_in_use() + need)
+            self._grow(self.cache.used_pages + need)
         self.cache.extend(rows, lengths)
 
     def _check_fast_paths(self, ids: torch.Tensor) -> None:
