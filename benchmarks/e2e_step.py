@@ -41,6 +41,7 @@ import os
 import random
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from dataclasses import replace
@@ -56,6 +57,7 @@ from benchmarks.e2e_plot import plot
 from benchmarks.e2e_trl import run_trl
 from megarl.data.tiny_model import ALPHABET, SPECIAL_TOKENS, build_tokenizer
 from megarl.rollout.interface import RolloutSample, SamplingParams
+from megarl.rollout.local.step_profile import profile_delta, profile_summary
 from megarl.rollout.sglang.client import SGLangClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -272,6 +274,36 @@ STEP_PHASES = ("gen", "old_log_prob", "update_actor", "offload_actor", "sync_wei
 """The phases each step's progress line shows (seconds)."""
 
 
+def engine_profiles(urls: list[str]) -> list[dict[str, Any] | None]:
+    """Each engine's step profile (``/get_server_info``; None where it has none, e.g. a real
+    SGLang server or an engine that did not answer)."""
+    out = []
+    for url in urls:
+        try:
+            with urllib.request.urlopen(f"{url}/get_server_info", timeout=30) as reply:
+                states = json.load(reply).get("internal_states") or [{}]
+            out.append(states[0].get("step_profile"))
+        except (OSError, ValueError):
+            out.append(None)
+    return out
+
+
+def engine_metrics(after: list[dict[str, Any] | None],
+                   before: list[dict[str, Any] | None]) -> dict[str, float]:
+    """``engine/*`` metrics of one step: the engines' step profiles between two snapshots,
+    summed over the engines (rows per step and the finished fraction: of the first engine)."""
+    out: dict[str, float] = {}
+    for now, old in zip(after, before):
+        if now is None:
+            continue
+        for key, value in profile_summary(profile_delta(now, old)).items():
+            summed = key not in ("decode_ms_per_step", "decode_rows_per_step",
+                                 "decode_finished_fraction")
+            out[f"engine/{key}"] = out.get(f"engine/{key}", 0.0) + value if summed else \
+                out.get(f"engine/{key}", value)
+    return out
+
+
 def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
                prompts: list[list[int]],
                measured: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
@@ -332,10 +364,20 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
         scheduler = build_scheduler(trainer, SchedulerConfig(mode="colocate_sync"))
         try:
             total = args.warmup + args.steps
+            profiles = engine_profiles(urls)
             for k in range(total):
                 start = time.perf_counter()
                 metrics = scheduler.step(last=k == total - 1)
                 walls.append(time.perf_counter() - start)
+                profiles, before = engine_profiles(urls), profiles
+                metrics.update(engine_metrics(profiles, before))
+                if "engine/decode_steps" in metrics:
+                    print(f"[megarl {shape}] engine: prefill {metrics['engine/prefill_s']:.1f} s "
+                          f"({metrics['engine/prefill_tokens']:.0f} tokens), decode "
+                          f"{metrics['engine/decode_s']:.1f} s ({metrics['engine/decode_steps']:.0f}"
+                          f" steps, {metrics['engine/decode_rows_per_step']:.0f} rows, "
+                          f"{metrics['engine/decode_ms_per_step']:.2f} ms each), scheduling "
+                          f"{metrics['engine/schedule_s']:.1f} s", flush=True)
                 history.append(metrics)
                 with steps_log.open("a") as f:
                     f.write(json.dumps({"step": k + 1, "wall_s": walls[-1], **metrics}) + "\n")
@@ -425,6 +467,7 @@ def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
     out["other_s"] = step_s - sum(out[k] for k in ("gen_s", "old_log_prob_s", "update_actor_s",
                                                     "sync_s", "release_s", "resume_s", "reward_s"))
     out["phases_not_run"] = missing
+    out["gen_profile"] = gen_profile(m, out["gen_s"])
     out["memory_gb"] = {k.removeprefix("perf/"): max(row[k] for row in m if k in row)
                         for k in sorted({k for row in m for k in row}) if k.startswith("perf/")}
     out["memory_estimates"] = compare_estimates(model.parent / side(args) / "estimates.json",
@@ -450,6 +493,21 @@ def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
     else:
         out["trl"] = trl
     return out
+
+
+def gen_profile(metrics: list[dict[str, Any]], gen_s: float) -> dict[str, float]:
+    """Where the generation phase's seconds went (the engines' step profiles, means over the
+    timed steps): prefill, decode (and its steps by row bucket), scheduling, and the rest
+    (``outside_steps_s``: requests arriving, results leaving, the client's own work)."""
+    keys = sorted({k for row in metrics for k in row if k.startswith("engine/")})
+    if not keys:
+        return {}
+    rows = [row for row in metrics if any(k.startswith("engine/") for k in row)]
+    prof = {k.removeprefix("engine/"): mean([row.get(k, 0.0) for row in rows]) for k in keys}
+    prof.pop("idle_s", None)  # the engine waits through the training phases too
+    prof["outside_steps_s"] = gen_s - sum(prof.get(k, 0.0)
+                                          for k in ("prefill_s", "decode_s", "schedule_s"))
+    return prof
 
 
 def write_json(args: argparse.Namespace, floors: dict[str, float],

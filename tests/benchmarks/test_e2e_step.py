@@ -137,6 +137,19 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
         assert e["measured_gb"] == r["memory_gb"][f"max_memory_allocated_gb/{phase}"] > 0
         assert e["ratio"] == pytest.approx(e["estimate_gb"] / e["measured_gb"])
     assert (tmp_path / "moe" / "megarl" / "steps.jsonl").read_text().count("\n") == 2  # warm-up + 1
+    # the engine's profile of the timed step's generation: every sample is a request of its own
+    # (prefilled once), its first token drawn by the prefill and each later one by a decode step
+    bench = load("e2e_step")
+    prompts = [json.loads(line)["input_ids"]
+               for line in (tmp_path / "moe" / "prompts.jsonl").read_text().splitlines()]
+    forced = [bench.response_length(p, j, 6.0, 0.8, 16) for p in prompts for j in range(2)]
+    prof = r["gen_profile"]
+    assert prof["prefill_rows"] == len(forced)
+    assert prof["prefill_tokens"] == 2 * sum(len(p) for p in prompts)
+    assert prof["decode_rows"] - prof["decode_finished_rows"] == sum(forced) - len(forced)
+    assert prof["decode_steps"] >= max(forced) - 1
+    assert sum(v for k, v in prof.items() if k.startswith("decode_steps@")) == prof["decode_steps"]
+    assert 0 < prof["prefill_s"] + prof["decode_s"] < r["gen_s"]
     pytest.importorskip("trl")
     env.pop("MEGARL_FAIL_AT")
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "e2e_step.py"), "--smoke",
@@ -148,10 +161,6 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
     report = json.loads((tmp_path / "e2e_step.json").read_text())
     both = report["results"]["moe"]
     assert both["step_s"] == r["step_s"] and both["gen_s"] == r["gen_s"]  # megarl's, as measured
-    bench = load("e2e_step")
-    prompts = [json.loads(line)["input_ids"]
-               for line in (tmp_path / "moe" / "prompts.jsonl").read_text().splitlines()]
-    forced = [bench.response_length(p, j, 6.0, 0.8, 16) for p in prompts for j in range(2)]
     assert both["response_tokens"] == sum(forced)
     # megarl trained exactly the forced lengths; TRL generated them plus its EOS
     assert both["trained_response_length"] == pytest.approx(sum(forced) / len(forced), abs=1e-9)

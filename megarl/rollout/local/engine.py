@@ -42,6 +42,7 @@ from megarl.rollout.local.fp8_layers import experts_backend, gemm_backend
 from megarl.rollout.local.model_runner import ModelRunner
 from megarl.rollout.local.requests import Request, Sample, SampleResult
 from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampling, sample_next
+from megarl.rollout.local.step_profile import StepProfile, Timer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -93,6 +94,8 @@ class LocalEngine:
         """Expected lengths for admission, retraction for want of KV pages (admission.py)."""
         """Out-of-memory steps recovered from by retracting the rows (module docstring)."""
         self.lora_requests: Counter[str] = Counter()  # per lora_path ("": the base model)
+        self.profile = StepProfile()
+        """Seconds and work of each kind of step since the start (step_profile.py)."""
         self._oom_streak = 0
         self._step_delay_s = engine_step_delay()
         self._generator = torch.Generator()
@@ -159,6 +162,7 @@ class LocalEngine:
                 "weight_version": self.weight_version, "generation_steps": self.steps,
                 "oom_recoveries": self.oom_recoveries,
                 "kv_retractions": self.admission.retractions,
+                "step_profile": self.profile.snapshot(),
                 "fp8_gemm": gemm_backend(self.runner.device) if fp8 else None,
                 "fp8_experts": experts_backend(self.runner.device) if fp8 else None,
                 "lora_requests": dict(self.lora_requests) if self.runner.lora else None}
@@ -171,7 +175,9 @@ class LocalEngine:
     # ----- engine thread -----
     def _loop(self) -> None:
         while not self._stop:
-            self._drain_inbox(block=self._idle())
+            with Timer() as waited:
+                self._drain_inbox(block=self._idle())
+            self.profile.add("idle_s", waited.s)
             if self._idle():
                 continue
             self._guarded_step()
@@ -300,10 +306,15 @@ class LocalEngine:
         self._retire(samples)
 
     def _step(self) -> None:
-        admitted = self._admit()
+        with Timer() as scheduled:
+            admitted = self._admit()
+        self.profile.add("schedule_s", scheduled.s)
         if admitted:
             self._prefilling = admitted  # failed with the others if the prefill raises
-            self._prefill(admitted)
+            with Timer() as ran:
+                self._prefill(admitted)
+            self.profile.prefill(sum(len(u.context) for u in admitted),
+                                 sum(len(u.samples) for u in admitted), ran.s)
             self._prefilling = []
         if self._rows:
             self._decode()
@@ -334,9 +345,17 @@ class LocalEngine:
 
     def _decode(self) -> None:
         oom_point("engine_decode")
-        self._make_room()
+        with Timer() as scheduled:
+            self._make_room()
+        self.profile.add("schedule_s", scheduled.s)
         if not self._rows:  # every row had finished
             return
+        rows, finished = len(self._rows), sum(s.finish is not None for s in self._rows)
+        with Timer() as ran:
+            self._decode_rows()
+        self.profile.decode(rows, finished, ran.s)
+
+    def _decode_rows(self) -> None:
         self.admission.decoded()
         rows = self._rows  # finished rows stay until compaction; their results are ignored
         want_routes = any(s.request.return_routed_experts and s.finish is None for s in rows)
