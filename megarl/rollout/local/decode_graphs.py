@@ -10,6 +10,7 @@ zeros: they write to the scratch page and attend to one token.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,10 @@ class DecodeGraphs:
         self._pool = None
         self.capture_failures = 0
         """Captures that failed (the decoder then decodes eagerly)."""
+        self.captures = 0
+        self.capture_s = 0.0
+        """Graphs captured and the seconds their capture took (warm-up step included), since
+        the decoder was built: every drop makes the buckets in use captured again."""
 
     def drop(self) -> None:
         """Forget the captured graphs and their memory pool. The pool handle goes with them: the
@@ -71,6 +76,7 @@ class DecodeGraphs:
         bucket = row_bucket(rows)
         graph = self.captured.get(bucket)
         if graph is None:
+            start = time.perf_counter()
             try:
                 graph = self._capture(bucket)
             except RuntimeError as err:
@@ -78,6 +84,8 @@ class DecodeGraphs:
                 logger.warning("CUDA graph capture failed (%s); decoding without graphs", err)
                 return None
             self.captured[bucket] = graph
+            self.captures += 1
+            self.capture_s += time.perf_counter() - start
         return graph
 
     def replay(self, ids: torch.Tensor, sampling: FusedSampling | None):

@@ -162,7 +162,7 @@ class LocalEngine:
                 "weight_version": self.weight_version, "generation_steps": self.steps,
                 "oom_recoveries": self.oom_recoveries,
                 "kv_retractions": self.admission.retractions,
-                "step_profile": self.profile.snapshot(),
+                "step_profile": {**self.profile.snapshot(), **self.runner.graph_stats()},
                 "fp8_gemm": gemm_backend(self.runner.device) if fp8 else None,
                 "fp8_experts": experts_backend(self.runner.device) if fp8 else None,
                 "lora_requests": dict(self.lora_requests) if self.runner.lora else None}
@@ -289,8 +289,8 @@ class LocalEngine:
             admitted.append(self._waiting.popleft())
             rows += len(unit.samples)
             width, final, slots = new_width, new_final, new_slots
-        if admitted:
-            self.runner.reserve(rows, final, slots, budget)
+        if admitted:  # the table for every row that may run: its growth drops the graphs
+            self.runner.reserve(max(rows, self.max_running_requests), final, slots, budget)
         return admitted
 
     def _refuse(self, unit: _Prefill, peak: int, budget: int) -> None:

@@ -302,6 +302,13 @@ class ModelRunner:
         """KV token slots the native path's cache holds now (0 on the HF path)."""
         return self.native.cache.allocated_tokens if self.native is not None else 0
 
+    def graph_stats(self) -> dict[str, float]:
+        """Decode graphs captured so far and the seconds their captures took (native path)."""
+        graphs = getattr(self.native, "graphs", None)
+        if graphs is None:
+            return {"graph_captures": 0, "graph_capture_s": 0.0}
+        return {"graph_captures": graphs.captures, "graph_capture_s": graphs.capture_s}
+
     def kv_row_slots(self, length: int) -> int:
         """KV token slots a row of ``length`` tokens holds on the native path (its pages; 0 on
         the HF path, whose padded batch :meth:`peak_kv_tokens` counts by its rectangle)."""
@@ -325,7 +332,8 @@ class ModelRunner:
 
     def reserve(self, rows: int, length: int, slots: int, pool: int | None = None) -> None:
         """Size the KV cache for :meth:`peak_kv_tokens`' rows (native path; the HF path grows
-        its batch as it decodes)."""
+        its batch as it decodes). ``rows``: the most rows that may run (the page table's rows: a
+        table that grows drops the decode graphs, so the engine passes its row limit)."""
         if self.native is not None:
             self.native.reserve(rows, length, slots // self.native.cache.page_size, pool)
 
