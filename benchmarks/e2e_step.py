@@ -259,15 +259,45 @@ def result_key(args: argparse.Namespace, shape: str) -> str:
     return shape if args.router_replay == "disabled" else f"{shape}_r3"
 
 
-def micro_batch_overrides(args: argparse.Namespace, samples: int) -> list[str]:
+def micro_batch_overrides(args: argparse.Namespace, samples: int, recompute: str) -> list[str]:
     """megarl's micro-batching and recompute: token budgets (``--micro-batch-tokens``, what a
     colocated run at these sizes needs: 32 sequences of up to 2.5k tokens hold 24 GB of bf16
     logits alone) or ``--micro-batches`` equal splits."""
-    knobs = [f"actor.recompute.granularity={args.recompute}"]
+    knobs = [f"actor.recompute.granularity={recompute}"]
     if args.micro_batch_tokens:
         return [*knobs, "actor.use_dynamic_bsz=true",
                 f"actor.ppo_max_token_len_per_gpu={args.micro_batch_tokens}"]
     return [*knobs, f"actor.ppo_micro_batch_size_per_gpu={max(1, samples // args.micro_batches)}"]
+
+
+AUTO_RECOMPUTE_FRACTION = 0.7
+"""``--recompute auto`` keeps every activation (``none``) when megarl's estimate of the update's
+peak without recompute is at most this fraction of the device's memory, else recomputes whole
+layers (``full``): the estimates are within 25% of the measured peaks (issue 29's bound), and
+the colocated engine's weights stay on the device through the update."""
+
+
+def resolve_recompute(args: argparse.Namespace, config: Path, overrides: list[str],
+                      samples: int, device_bytes: int | None) -> str:
+    """``--recompute``, with ``auto`` decided from megarl's memory estimate of the update
+    (``megarl config show``'s) against ``device_bytes`` (None, off CUDA: ``full``)."""
+    if args.recompute != "auto":
+        return args.recompute
+    if device_bytes is None:
+        return "full"
+    from megarl.config import derive_sizes, estimate, load_config
+    from megarl.config.estimates import phase_estimates
+    from megarl.config.model_info import load_model_info
+
+    cfg, _ = load_config(str(config), [*overrides, *micro_batch_overrides(args, samples, "none"),
+                                       *args.set])
+    model = load_model_info(cfg.model.path)
+    need = phase_estimates(estimate(cfg, model, derive_sizes(cfg, model)))["update_actor"]
+    choice = "none" if need <= AUTO_RECOMPUTE_FRACTION * device_bytes else "full"
+    print(f"--recompute auto: the update without recompute is estimated at {need / 2**30:.1f} "
+          f"GiB of the device's {device_bytes / 2**30:.1f} GiB (none up to "
+          f"{AUTO_RECOMPUTE_FRACTION:.0%}): {choice}", flush=True)
+    return choice
 
 
 STEP_PHASES = ("gen", "old_log_prob", "update_actor", "offload_actor", "sync_weights")
@@ -326,13 +356,15 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
         "trainer.resume=never", f"trainer.total_steps={args.warmup + args.steps}",
         f"data.train_batch_size={len(prompts)}", f"rollout.n={args.n}",
         f"actor.ppo_mini_batch_size={len(prompts)}",
-        *micro_batch_overrides(args, samples),
         f"data.max_prompt_length={args.prompt_len[1]}",
         f"data.max_response_length={args.max_response}",
         f"reward.function={Path(__file__).resolve()}:score", "reward.num_workers=0",
         "actor.parallel.ep=1", "resources.train_pool.gpus_per_node=1", "ray.address=local",
         f"model.dtype={'bfloat16' if device == 'cuda' else 'float32'}",
-        f"actor.router_replay.mode={args.router_replay}", *args.set]
+        f"actor.router_replay.mode={args.router_replay}"]
+    device_bytes = torch.cuda.get_device_properties(0).total_memory if device == "cuda" else None
+    recompute = resolve_recompute(args, spec.config, overrides, samples, device_bytes)
+    overrides += [*micro_batch_overrides(args, samples, recompute), *args.set]
     cfg, sources = load_config(str(spec.config), overrides)
     write_estimates(args.out / shape / side(args) / "estimates.json", cfg)
     if device == "cuda" and preflight_refuses(cfg, first=True):  # as `megarl train` does
@@ -387,7 +419,8 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
                       + f"; peak {metrics.get('perf/max_memory_allocated_gb', float('nan')):.1f}"
                         " GB)", flush=True)
             if measured is not None:
-                measured({"walls": walls[args.warmup:], "metrics": history[args.warmup:]})
+                measured({"walls": walls[args.warmup:], "metrics": history[args.warmup:],
+                          "recompute": recompute})
             scheduler.finish()
         finally:
             scheduler.close()
@@ -395,7 +428,8 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
         closing = time.perf_counter()
         trainer.close()
         print(f"[megarl {shape}] close: {time.perf_counter() - closing:.1f} s", flush=True)
-    return {"walls": walls[args.warmup:], "metrics": history[args.warmup:]}
+    return {"walls": walls[args.warmup:], "metrics": history[args.warmup:],
+            "recompute": recompute}
 
 
 def load_megarl_steps(args: argparse.Namespace, shape: str) -> dict[str, Any]:
@@ -468,6 +502,7 @@ def summarize(args: argparse.Namespace, model: Path, prompts: list[list[int]],
                                                     "sync_s", "release_s", "resume_s", "reward_s"))
     out["phases_not_run"] = missing
     out["gen_profile"] = gen_profile(m, out["gen_s"])
+    out["recompute"] = megarl.get("recompute")  # the actor's (--recompute auto decides it)
     out["memory_gb"] = {k.removeprefix("perf/"): max(row[k] for row in m if k in row)
                         for k in sorted({k for row in m for k in row}) if k.startswith("perf/")}
     out["memory_estimates"] = compare_estimates(model.parent / side(args) / "estimates.json",
@@ -564,8 +599,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--micro-batch-tokens", type=int, default=16384,
                    help="megarl's token budget per micro-batch (actor.use_dynamic_bsz); 0: equal "
                         "splits of --micro-batches")
-    p.add_argument("--recompute", choices=["none", "selective", "full"], default="full",
-                   help="megarl's actor.recompute.granularity")
+    p.add_argument("--recompute", choices=["auto", "none", "selective", "full"], default="auto",
+                   help="megarl's actor.recompute.granularity; auto: none where megarl's "
+                        "estimate of the update without it fits 70%% of the device, else full")
     p.add_argument("--steps", type=int, default=2, help="timed steps")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--trl", choices=["on", "off"], default="on")

@@ -61,13 +61,18 @@ def test_a_run_whose_engine_cut_the_responses_is_reported_as_wrong(tmp_path):
 
 
 def _moe_card(root):
-    """The MoE shape's config.json and tokenizer (no weights: estimates need only the card)."""
+    """The MoE shape's config.json and tokenizer."""
+    return _card(root, "moe")
+
+
+def _card(root, shape):
+    """A shape's config.json and tokenizer (no weights: estimates need only the card)."""
     from transformers import AutoConfig
 
     from megarl.data.tiny_model import build_tokenizer, tiny_config_dict
 
     bench = load("e2e_step")
-    dims = dict(bench.SHAPES["moe"])
+    dims = dict(bench.SHAPES[shape])
     arch = dims.pop("arch")
     fields = tiny_config_dict(arch, **dims)
     AutoConfig.for_model(fields.pop("model_type", arch), **fields).save_pretrained(root)
@@ -75,8 +80,39 @@ def _moe_card(root):
     return bench
 
 
+@pytest.mark.parametrize("shape, device_gib, chosen", [
+    ("dense", 139.8, "none"),  # ~64 GiB without recompute: fits an H200's 70%
+    ("dense", 79.2, "full"),   # not an H100's
+    ("moe", 139.8, "full"),    # ~109 GiB: not even an H200's
+])
+def test_recompute_auto_keeps_activations_where_the_estimate_fits(tmp_path, shape, device_gib,
+                                                                   chosen):
+    """``--recompute auto`` (the default) decides from megarl's estimate of the update without
+    recompute against the device's memory; other values pass through, and off CUDA auto is
+    full."""
+    from megarl.demo import DEMOS
+
+    bench = _card(tmp_path, shape)
+    args = bench.parse([])
+    assert args.recompute == "auto"
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("")
+    overrides = [f"model.path={tmp_path}", f"data.train_files=[{data}]",
+                 f"data.val_files=[{data}]", f"data.train_batch_size={args.prompts}",
+                 f"rollout.n={args.n}", f"actor.ppo_mini_batch_size={args.prompts}",
+                 "actor.parallel.ep=1", f"data.max_prompt_length={args.prompt_len[1]}",
+                 f"data.max_response_length={args.max_response}", "model.dtype=bfloat16"]
+    samples = args.prompts * args.n
+    gib = int(device_gib * 2**30)
+    assert bench.resolve_recompute(args, DEMOS["cuda"].config, overrides, samples, gib) == chosen
+    assert bench.resolve_recompute(args, DEMOS["cuda"].config, overrides, samples, None) == "full"
+    args.recompute = "selective"
+    assert bench.resolve_recompute(args, DEMOS["cuda"].config, overrides, samples, gib) == \
+        "selective"
+
+
 @pytest.mark.parametrize("knobs, refused", [
-    ([], False),  # the benchmark's defaults: 16k-token micro-batches, full recompute
+    ([], False),  # the benchmark's defaults on an H200: 16k-token micro-batches, full recompute
     (["--micro-batch-tokens", "0", "--micro-batches", "16", "--recompute", "none"], True),
 ])
 def test_the_device_preflight_passes_the_defaults_and_refuses_what_cannot_fit(tmp_path, knobs,
@@ -100,7 +136,8 @@ def test_the_device_preflight_passes_the_defaults_and_refuses_what_cannot_fit(tm
         f"actor.ppo_mini_batch_size={args.prompts}", "actor.parallel.ep=1",
         f"data.max_prompt_length={args.prompt_len[1]}",
         f"data.max_response_length={args.max_response}", "model.dtype=bfloat16",
-        *bench.micro_batch_overrides(args, samples)])
+        *bench.micro_batch_overrides(args, samples, "full" if args.recompute == "auto"
+                                     else args.recompute)])
     h200 = {"GPU 0": (int(139.8 * 2**30), int(140.4 * 2**30))}
     lines, refused_now = device_preflight(cfg, load_model_info(str(tmp_path)), read=lambda: h200)
     assert refused_now == refused, lines
