@@ -1,8 +1,8 @@
 """The embedded engine's step profile (``/get_server_info``'s ``step_profile``): the work and
 seconds of its prefills and decode steps, which ``benchmarks/e2e_step.py`` uses to explain a
 generation phase. The counts are checked against what the requests imply: a prompt prefilled
-once for its ``n`` rows, one decode step per token after the first, and a row that finished
-decoded on (as wasted work) until the batch is compacted."""
+once for its ``n`` rows, one decode step per token after the first, and a finished row decoded
+on (as wasted work) until the batch is compacted: at once on the native path."""
 
 from __future__ import annotations
 
@@ -36,8 +36,7 @@ def request(rid: str, n: int, new: int) -> Request:
 def test_the_profile_counts_each_prefill_token_and_decoded_row(model_dir, backend):
     engine = LocalEngine(ModelRunner(model_dir, backend=backend), seed=0)
     first = engine.load_state()["step_profile"]
-    # eight rows of 48 tokens and one of 24: the short one finishes at decode step 23; one
-    # finished row of nine is under a quarter, so it is decoded on until a compaction
+    # eight rows of 48 tokens and one of 24: the short one finishes at decode step 23
     reqs = [request("a", n=8, new=48), request("bb", n=1, new=24)]
     calls = []  # (rows, finished rows) of each decode call the runner gets
     real = engine.runner.decode
@@ -58,7 +57,9 @@ def test_the_profile_counts_each_prefill_token_and_decoded_row(model_dir, backen
     assert delta["decode_steps"] == len(calls) == 47
     assert delta["decode_rows"] - delta["decode_finished_rows"] == 8 * 48 + 24 - 9
     assert delta["decode_rows"] == sum(rows for rows, _ in calls)
-    assert delta["decode_finished_rows"] == sum(done for _, done in calls) >= 1
+    assert delta["decode_finished_rows"] == sum(done for _, done in calls)
+    # the native path drops a finished row at once; the HF path decodes it on (under a quarter)
+    assert delta["decode_finished_rows"] == (0 if backend == "native" else 47 - 23)
     buckets = {}
     for rows, _ in calls:
         entry = buckets.setdefault(str(row_bucket(rows)), {"steps": 0, "rows": 0})

@@ -432,13 +432,15 @@ class LocalEngine:
                 s.finish = {"type": "length", "length": len(s.output_ids)}
 
     def _settle(self, compact: bool = False) -> None:
-        """Deliver finished rows' results; drop them from the batch once they are a quarter of
-        it (copying the KV cache for every finished row would cost more than decoding them)."""
+        """Deliver finished rows' results and drop them from the batch: at once on the native
+        path (its paged cache moves table rows, not K/V; a finished row decoded on reads its
+        whole context and takes pages), on the HF path once they are a quarter of it (copying
+        its KV cache for every finished row would cost more than decoding them)."""
         dead = [s for s in self._rows if s.finish is not None]
         if not dead:
             return
         self._retire(dead)
-        if compact or len(dead) * 4 >= len(self._rows):
+        if compact or self.runner.native is not None or len(dead) * 4 >= len(self._rows):
             keep = [i for i, s in enumerate(self._rows) if s.finish is None]
             self.runner.keep_rows(keep)
             self._set_rows([self._rows[i] for i in keep])
