@@ -1,5 +1,6 @@
 """The PNG of ``benchmarks/e2e_step.py``'s report: each shape's step as stacked phase seconds
-(megarl, and TRL's whole step with the ratio), and each phase's fraction of its floor."""
+(megarl, and TRL's whole step with the ratio), each phase's fraction of its floor, and where the
+generation phase's seconds went (the engine's step profile) against its bandwidth floor."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
 
     phases = ["gen_s", "old_log_prob_s", "update_actor_s", "sync_s", "release_s", "resume_s",
               "reward_s", "other_s"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (left, right, gen) = plt.subplots(1, 3, figsize=(18, 4.8))
     labels, x = [], 0
     for shape, r in results.items():
         bottom = 0.0
@@ -50,6 +51,36 @@ def plot(results: dict[str, dict[str, Any]], path: Path, title: str) -> None:
     right.set_ylabel("fraction of the measured floor")
     right.set_title("phases against their floors")
     right.legend()
+    _generation(gen, results)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
+
+
+GEN_PARTS = [("prefill_s", "prefill"), ("decode_s", "decode steps (less captures)"),
+             ("graph_capture_s", "decode graph captures"), ("schedule_s", "scheduling"),
+             ("outside_steps_s", "outside engine steps")]
+
+
+def _generation(ax: Any, results: dict[str, dict[str, Any]]) -> None:
+    """Per shape: the generation phase's seconds by kind of engine step, and its floor."""
+    for x, (shape, r) in enumerate(results.items()):
+        prof = r.get("gen_profile") or {}
+        if not prof:
+            continue
+        bottom = 0.0
+        capture = prof.get("graph_capture_s", 0.0)
+        for i, (key, name) in enumerate(GEN_PARTS):
+            value = max(0.0, prof.get(key, 0.0) - (capture if key == "decode_s" else 0.0))
+            ax.bar(x, value, bottom=bottom, color=f"C{i}", label=name if x == 0 else None)
+            bottom += value
+        ax.hlines(r["gen_floor_s"], x - 0.4, x + 0.4, colors="black",
+                  label="bandwidth floor" if x == 0 else None)
+        ax.text(x, bottom, f"{prof.get('decode_ms_per_step', 0):.1f} ms/step,\n"
+                f"{prof.get('decode_rows_per_step', 0):.0f} rows", ha="center", va="bottom",
+                fontsize=8)
+    ax.set_xticks(range(len(results)), list(results))
+    ax.set_ylabel("seconds per step")
+    ax.margins(y=0.15)
+    ax.set_title("generation (the engine's step profile)")
+    ax.legend(fontsize=8)
