@@ -175,14 +175,15 @@ def test_the_json_is_written_before_the_teardown_and_trl_runs_as_a_second_comman
         assert e["ratio"] == pytest.approx(e["estimate_gb"] / e["measured_gb"])
     assert (tmp_path / "moe" / "megarl" / "steps.jsonl").read_text().count("\n") == 2  # warm-up + 1
     # the engine's profile of the timed step's generation: every sample is a request of its own
-    # (prefilled once), its first token drawn by the prefill and each later one by a decode step
+    # (a prompt prefilled once for those of its requests admitted together), its first token
+    # drawn by the prefill and each later one by a decode step
     bench = load("e2e_step")
     prompts = [json.loads(line)["input_ids"]
                for line in (tmp_path / "moe" / "prompts.jsonl").read_text().splitlines()]
     forced = [bench.response_length(p, j, 6.0, 0.8, 16) for p in prompts for j in range(2)]
     prof = r["gen_profile"]
     assert prof["prefill_rows"] == len(forced)
-    assert prof["prefill_tokens"] == 2 * sum(len(p) for p in prompts)
+    assert sum(len(p) for p in prompts) <= prof["prefill_tokens"] <= 2 * sum(len(p) for p in prompts)
     assert prof["decode_rows"] - prof["decode_finished_rows"] == sum(forced) - len(forced)
     assert prof["decode_steps"] >= max(forced) - 1
     assert sum(v for k, v in prof.items() if k.startswith("decode_steps@")) == prof["decode_steps"]

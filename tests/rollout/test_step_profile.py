@@ -92,3 +92,34 @@ def test_a_delta_keeps_only_the_buckets_that_ran_between_the_snapshots():
     assert delta["decode_finished_rows"] == 0 and delta["prefill_tokens"] == 0
     assert delta["schedule_s"] == 0.125
     assert profile_delta(before, None)["by_rows"] == {"4": {"steps": 1, "s": 0.5, "rows": 3}}
+
+
+@pytest.mark.parametrize("backend", ["native", "hf"])
+def test_requests_of_one_prompt_admitted_together_prefill_it_once(model_dir, backend):
+    """A client that sends one request per sample (verl's agent loop, the e2e benchmark) gets
+    the prompt prefilled once for all of them, as SGLang's radix cache does; each sample draws
+    the tokens it draws when its request runs alone."""
+    def make() -> list[Request]:
+        same = [Request(f"s{j}", list(range(3, 3 + PROMPT)),
+                        SamplingParams(max_new_tokens=8 + j, temperature=1.0, seed=j,
+                                       ignore_eos=True)) for j in range(3)]
+        return [*same, request("other", n=1, new=5)]
+
+    engine = LocalEngine(ModelRunner(model_dir, backend=backend), seed=0, deterministic=True)
+    together = make()
+    for r in together:
+        engine._enqueue(r)
+    while not all(r.future.done() for r in together):
+        engine._step()
+    delta = profile_delta(engine.load_state()["step_profile"], None)
+    assert delta["prefill_steps"] == 1 and delta["prefill_rows"] == 4
+    assert delta["prefill_tokens"] == 2 * PROMPT  # the shared prompt once, the other once
+    alone = LocalEngine(ModelRunner(model_dir, backend=backend), seed=0, deterministic=True)
+    for r, mine in zip(make(), together):
+        alone._enqueue(r)
+        while not r.future.done():
+            alone._step()
+        got, want = mine.future.result()[0], r.future.result()[0]
+        assert got.output_ids == want.output_ids and len(got.output_ids) == r.params.max_new_tokens
+        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+    assert profile_delta(alone.load_state()["step_profile"], None)["prefill_tokens"] == 4 * PROMPT

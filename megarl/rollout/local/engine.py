@@ -3,8 +3,10 @@
 Requests (one prompt, ``n`` samples) wait in a queue; every step admits waiting prompts up to
 the row, prefill-token and KV-cache budgets (``max_total_tokens``: the token slots the KV cache
 may hold at its peak, each row at its final length: on the native path the pages of each row's
-own length, as SGLang's ``--max-total-tokens`` bounds its pool), prefills them together (the
-prompt once, its KV copied to the ``n`` sample rows),
+own length, as SGLang's ``--max-total-tokens`` bounds its pool), prefills them together (each
+context once, its KV copied to its rows: a prompt's ``n`` samples, and requests of the same
+prompt admitted together, e.g. a client's one request per sample, as SGLang's radix cache
+prefills a shared prefix once),
 samples their first tokens and adds them to the running batch; then the whole batch decodes one
 token. Requests that arrive while others run join at the next step. A row may name a LoRA
 adapter (``lora_path``) applied to its rows only (lora_serving.py; counted per adapter).
@@ -264,14 +266,18 @@ class LocalEngine:
         expected = self.admission.expected_length
         final = max((final_length(s) for s in self._rows), default=0)
         slots = sum(self.runner.kv_row_slots(expected(s)) for s in self._rows)
+        twins: dict[tuple, _Prefill] = {}  # context (and adapter) -> the unit that prefills it
         while self._waiting:
             unit = self._waiting[0]
+            key = (unit.samples[0].request.lora, *unit.context)
+            twin = twins.get(key)  # the same context admitted in this pass: prefilled once
             new_width = max(width, len(unit.context))
             longest = max(final_length(s) for s in unit.samples)
             new_final = max(final, longest)
             new_slots = slots + sum(self.runner.kv_row_slots(expected(s)) for s in unit.samples)
             over_rows = rows + len(unit.samples) > self.max_running_requests
-            over_tokens = new_width * (len(admitted) + 1) > self.max_prefill_tokens
+            over_tokens = twin is None and (new_width * (len(admitted) + 1)
+                                            > self.max_prefill_tokens)
             if (over_rows and rows > 0) or (over_tokens and admitted):
                 break
             if budget is not None:
@@ -286,7 +292,12 @@ class LocalEngine:
                         self._refuse(self._waiting.popleft(), peak, budget)
                         continue
                     break
-            admitted.append(self._waiting.popleft())
+            self._waiting.popleft()
+            if twin is None:
+                admitted.append(unit)
+                twins[key] = unit
+            else:
+                twin.samples.extend(unit.samples)
             rows += len(unit.samples)
             width, final, slots = new_width, new_final, new_slots
         if admitted:  # the table for every row that may run: its growth drops the graphs
