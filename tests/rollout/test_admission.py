@@ -3,6 +3,7 @@ ratio's decay and reset, and which rows a short KV pool retracts."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import pytest
@@ -34,6 +35,25 @@ def test_expected_length_counts_a_ratio_of_what_a_row_may_still_draw():
     assert admission.expected_length(forced) == 1100  # it cannot stop: all of it
     assert admission.expected_length(Row(10, 3)) == 10 + 3  # 0.7 x 3 rounds up to 3
     assert admission.expected_length(Row(10, 100_000)) == 10 + 2868  # 0.7 x 4,096 at most
+
+
+@pytest.mark.parametrize("page", [64, 1, 0])
+def test_held_counts_each_row_at_its_expected_length_in_whole_pages(page):
+    admission = KVAdmission()
+    for _ in range(50):
+        admission.decoded()
+    rows = [Row(100, 1000, output_ids=[5] * 200), Row(7, 30),
+            Row(300, 2048, stop_ids=frozenset(), output_ids=[5] * 10), Row(10, 100_000)]
+    longest, slots = admission.held(rows, page)
+    assert longest == max(final_length(r) for r in rows) == 100_010
+    want = sum(-(-admission.expected_length(r) // page) * page for r in rows) if page else 0
+    assert slots == want
+    if page == 64:  # by hand: 100 + 200 + ceil(r x 800) tokens etc., in 64-token pages
+        r = admission.ratio
+        by_hand = [100 + 200 + math.ceil(800 * r), 7 + math.ceil(30 * r), 300 + 2048,
+                   10 + math.ceil(4096 * r)]
+        assert slots == sum(-(-n // 64) * 64 for n in by_hand)
+    assert admission.held([], page) == (0, 0)
 
 
 def test_the_ratio_decays_to_its_floor_and_follows_the_rows_left_after_a_retraction():

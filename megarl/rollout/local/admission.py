@@ -64,6 +64,24 @@ class KVAdmission:
         rest = min(row.max_new_tokens - drawn, CLIP_REST)
         return row.prompt_length + drawn + min(rest, math.ceil(rest * self.ratio))
 
+    def held(self, rows: list[_Row], page: int) -> tuple[int, int]:
+        """(the longest final length, the KV token slots at expected lengths in pages of
+        ``page`` tokens; 0 without pages) of ``rows``, in one pass (admission counts every
+        running row each step it admits)."""
+        longest = slots = 0
+        ratio = self.ratio
+        for row in rows:
+            final = row.prompt_length + row.max_new_tokens
+            longest = max(longest, final)
+            if not page:
+                continue
+            if row.stop_ids:
+                drawn = len(row.output_ids)
+                rest = min(row.max_new_tokens - drawn, CLIP_REST)
+                final = row.prompt_length + drawn + min(rest, math.ceil(rest * ratio))
+            slots += -(-final // page) * page
+        return longest, slots
+
     def decoded(self) -> None:
         """One decode step ran."""
         self.ratio = max(MIN_RATIO, self.ratio - (INIT_RATIO - MIN_RATIO) / DECAY_STEPS)

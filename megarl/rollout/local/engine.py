@@ -49,6 +49,9 @@ from megarl.rollout.local.step_profile import StepProfile, Timer
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
+RECHECK_STEPS = 16
+"""Decode steps a prompt that found the KV budget full waits before admission counts again,
+unless a running row leaves first (rows that may stop early need a little less each step)."""
 OOM_RETRIES = 3
 """Out-of-memory steps in a row the engine recovers from before it fails the requests."""
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -112,6 +115,7 @@ class LocalEngine:
         self._rows: list[Sample] = []
         self._rows_sampling: BatchSampling | None = None
         self._prefilling: list[_Prefill] = []
+        self._blocked: tuple[_Prefill, int, int] | None = None  # (head, rows, step) of a full budget
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="megarl-engine", daemon=True)
 
@@ -258,23 +262,23 @@ class LocalEngine:
     def _admit(self) -> list[_Prefill]:
         """Waiting prefills that fit the row, prefill-token and KV budgets (at least one if idle
         and its KV fits at all), with the KV cache sized for their final lengths."""
+        if not self._waiting or self._still_blocked():
+            return []
         budget = self.max_total_tokens
-        if budget is not None and self._waiting:
+        if budget is not None:
             self._settle(compact=True)  # finished rows would hold KV slots
         admitted: list[_Prefill] = []
         rows, width = len(self._rows), 0
-        expected = self.admission.expected_length
-        final = max((final_length(s) for s in self._rows), default=0)
-        slots = sum(self.runner.kv_row_slots(expected(s)) for s in self._rows)
+        page = self.runner.kv_page_size
+        final, slots = self.admission.held(self._rows, page)
         twins: dict[tuple, _Prefill] = {}  # context (and adapter) -> the unit that prefills it
         while self._waiting:
             unit = self._waiting[0]
             key = (unit.samples[0].request.lora, *unit.context)
             twin = twins.get(key)  # the same context admitted in this pass: prefilled once
             new_width = max(width, len(unit.context))
-            longest = max(final_length(s) for s in unit.samples)
-            new_final = max(final, longest)
-            new_slots = slots + sum(self.runner.kv_row_slots(expected(s)) for s in unit.samples)
+            longest, unit_slots = self.admission.held(unit.samples, page)
+            new_final, new_slots = max(final, longest), slots + unit_slots
             over_rows = rows + len(unit.samples) > self.max_running_requests
             over_tokens = twin is None and (new_width * (len(admitted) + 1)
                                             > self.max_prefill_tokens)
@@ -291,6 +295,8 @@ class LocalEngine:
                     if rows == 0 and not admitted:  # it would not fit on an idle engine either
                         self._refuse(self._waiting.popleft(), peak, budget)
                         continue
+                    if not admitted:
+                        self._blocked = (unit, len(self._rows), self.steps)
                     break
             self._waiting.popleft()
             if twin is None:
@@ -303,6 +309,14 @@ class LocalEngine:
         if admitted:  # the table for every row that may run: its growth drops the graphs
             self.runner.reserve(max(rows, self.max_running_requests), final, slots, budget)
         return admitted
+
+    def _still_blocked(self) -> bool:
+        """Whether the queue's head found the KV budget full within the last
+        :data:`RECHECK_STEPS` steps and no running row has left since (counting every running
+        row's expected length again would cost ~1 ms a step at 512 rows)."""
+        blocked = self._blocked
+        return (blocked is not None and blocked[0] is self._waiting[0]
+                and blocked[1] == len(self._rows) and self.steps - blocked[2] < RECHECK_STEPS)
 
     def _refuse(self, unit: _Prefill, peak: int, budget: int) -> None:
         """Finish a prompt whose samples' KV cannot fit the cache (as aborted, with why)."""

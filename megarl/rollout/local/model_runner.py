@@ -309,6 +309,11 @@ class ModelRunner:
             return {"graph_captures": 0, "graph_capture_s": 0.0}
         return {"graph_captures": graphs.captures, "graph_capture_s": graphs.capture_s}
 
+    @property
+    def kv_page_size(self) -> int:
+        """Tokens of a KV page on the native path (0 on the HF path)."""
+        return 0 if self.native is None else self.native.cache.page_size
+
     def kv_row_slots(self, length: int) -> int:
         """KV token slots a row of ``length`` tokens holds on the native path (its pages; 0 on
         the HF path, whose padded batch :meth:`peak_kv_tokens` counts by its rectangle)."""
