@@ -12,7 +12,8 @@ import torch
 
 from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.interface import SamplingParams
-from megarl.rollout.local.engine import OOM_RETRIES, LocalEngine, Request
+from megarl.rollout.local.engine import LocalEngine, Request
+from megarl.rollout.local.engine_memory import OOM_RETRIES
 from megarl.rollout.local.model_runner import ModelRunner
 
 PROMPT, NEW = 24, 12
@@ -86,6 +87,42 @@ def test_a_step_out_of_memory_is_retracted_and_the_tokens_are_the_same(model_dir
     assert at_failure > 0
     assert engine.max_total_tokens == at_failure * 3 // 4
     assert engine.load_state()["oom_recoveries"] == 1
+
+
+def test_a_prefill_out_of_memory_keeps_the_running_rows_and_halves_the_prefill_budget(model_dir):
+    """A prefill's forward that runs out of memory (activations beside a full KV pool, as on an
+    H100 in the dense e2e step) retracts nothing: its prompts wait again, the prefill budget
+    halves, and the rows that were decoding go on with their pages; the tokens are those of a
+    run without the failure."""
+    budget = 10_000
+    reference = run(LocalEngine(ModelRunner(model_dir, backend="native"), seed=0,
+                                max_total_tokens=budget), greedy_requests("a"))
+    runner = ModelRunner(model_dir, backend="native")
+    engine = LocalEngine(runner, seed=0, max_total_tokens=budget, max_prefill_tokens=1024)
+    wrapped = OutOfMemoryOnce(runner.prefill, 2)  # the second prompt's prefill
+    runner.prefill = wrapped
+    first, *rest = greedy_requests("b")
+    engine._enqueue(first)
+    for _ in range(3):
+        engine._guarded_step()
+    running, held = [s.output_ids[:] for s in engine._rows], runner.kv_allocated_tokens
+    assert len(running) == 2 and held > 0
+    for r in rest:
+        engine._enqueue(r)
+    engine._guarded_step()  # the prefill fails; the two rows do not decode this step
+    assert wrapped.raised == 1 and engine.oom_recoveries == 1
+    assert [s.output_ids for s in engine._rows] == running  # still running, tokens kept
+    assert runner.kv_allocated_tokens == held and engine.max_total_tokens == budget
+    assert engine.max_prefill_tokens == 512 and len(engine._waiting) == 2
+    for _ in range(1000):  # the rest of the steps
+        if all(r.future.done() for r in (first, *rest)):
+            break
+        engine._guarded_step()
+    results = [r.future.result(timeout=0) for r in (first, *rest)]
+    for got, want in zip(results, reference):
+        assert [s.output_ids for s in got] == [s.output_ids for s in want]
+    engine.release_memory(["kv_cache"])  # the cut budget comes back with the next pool
+    assert engine.max_prefill_tokens == 1024
 
 
 def test_repeated_failures_fail_the_requests_after_the_retries(model_dir):

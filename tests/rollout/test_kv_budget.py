@@ -225,3 +225,27 @@ def test_rows_that_may_stop_are_admitted_at_expected_lengths_and_retracted_when_
         assert [s.output_ids for s in g.future.result()] == [
             s.output_ids for s in want.future.result()]
         assert all(s.finish_reason["type"] == "length" for s in g.future.result())
+
+
+def test_the_pool_leaves_room_for_the_prefill_budget_and_the_decode_graphs():
+    """activation_headroom on Qwen3-1.7B's shape (the dense e2e model): a 16,384-token prefill
+    keeps all 28 layers' K/V (112 KiB a token) plus one layer's activations; the graphs of the
+    buckets up to 512 rows keep fp32 logits (and the sampler's copy) of 151,936 tokens a row."""
+    from types import SimpleNamespace
+
+    from megarl.rollout.local.kv_cache import ROW_BUCKETS, activation_headroom
+
+    dense = SimpleNamespace(hidden_size=2048, intermediate_size=6144, vocab_size=151_936)
+    per_token = 28 * 2 * 8 * 128 * 2
+    prefill = 16_384 * (per_token + (6 * 2048 + 3 * 6144) * 2)
+    graphs = sum(ROW_BUCKETS) * 151_936 * 8
+    assert activation_headroom(dense, per_token, 2, 16_384, 512, graphs=True) == prefill + graphs
+    assert activation_headroom(dense, per_token, 2, 16_384, 512, graphs=False) == prefill
+    small = sum(b for b in ROW_BUCKETS if b <= 64) * 151_936 * 8
+    assert activation_headroom(dense, per_token, 2, 0, 50, graphs=True) == small
+    # MoE: the widest MLP is top-k x the expert width (8 x 768), not the dense intermediate
+    moe = SimpleNamespace(hidden_size=2048, intermediate_size=768, num_experts_per_tok=8,
+                          moe_intermediate_size=768, vocab_size=151_936)
+    assert activation_headroom(moe, 1000, 2, 100, 1, graphs=False) == 100 * (
+        1000 + (6 * 2048 + 3 * 8 * 768) * 2)
+

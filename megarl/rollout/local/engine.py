@@ -12,11 +12,13 @@ token. Requests that arrive while others run join at the next step. A row may na
 adapter (``lora_path``) applied to its rows only (lora_serving.py; counted per adapter).
 
 A step that runs out of device memory (``torch.OutOfMemoryError``: e.g. a colocated trainer's
-leftovers) fails nothing at first: the running rows are retracted with their tokens (as
-``/pause_generation`` ``retract`` does), the KV cache and decode graphs are freed, the KV budget
-shrinks to three quarters of what the cache held until the cache is next released (the prefill
-budget halves if a prefill failed), and the rows queue again; :data:`OOM_RETRIES` failures in a
-row fail the requests.
+leftovers) fails nothing at first (engine_memory.py). A prefill whose forward ran out puts its
+prompts back and halves the prefill budget; the running rows and the KV pool stay. Any other
+step retracts the running rows with their tokens (as ``/pause_generation`` ``retract`` does),
+frees the KV cache and decode graphs, shrinks the KV budget to three quarters of what the cache
+held (the prefill budget halves if a prefill failed), and queues the rows again. The budgets
+come back when the KV cache is next released; :data:`~megarl.rollout.local.engine_memory.OOM_RETRIES` failures in a row fail the
+requests.
 
 Everything that touches the model (generation, weight loads, aborts, pause modes) runs on the
 engine thread between steps (other threads hand it functions: :meth:`LocalEngine.call`).
@@ -31,18 +33,17 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 
 from megarl.faults import engine_step_delay, oom_point
-from megarl.memory import log_held_device_memory
 from megarl.rollout.interface import PauseMode
 from megarl.rollout.local.admission import KVAdmission, final_length
+from megarl.rollout.local.engine_memory import MEMORY_TAGS, OOM_RETRIES, EngineMemory  # noqa: F401
 from megarl.rollout.local.fp8_layers import experts_backend, gemm_backend
 from megarl.rollout.local.model_runner import ModelRunner
-from megarl.rollout.local.requests import Request, Sample, SampleResult
+from megarl.rollout.local.requests import Prefill, Request, Sample, SampleResult
 from megarl.rollout.local.sampling import BatchSampling, FusedSampling, RowSampling, sample_next
 from megarl.rollout.local.step_profile import StepProfile, Timer
 
@@ -52,27 +53,11 @@ T = TypeVar("T")
 RECHECK_STEPS = 16
 """Decode steps a prompt that found the KV budget full waits before admission counts again,
 unless a running row leaves first (rows that may stop early need a little less each step)."""
-OOM_RETRIES = 3
-"""Out-of-memory steps in a row the engine recovers from before it fails the requests."""
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 DEFAULT_SAMPLING_SEED = 42
 """The seed of requests without ``sampling_seed`` under deterministic inference (SGLang's)."""
 
 
-@dataclass
-class _Prefill:
-    """Rows that share one context to prefill (a new prompt's samples, or a retracted row)."""
-
-    samples: list[Sample]
-    context: list[int]
-
-    @classmethod
-    def retracted(cls, sample: Sample) -> _Prefill:
-        """A running row taken out with its tokens: prefilled again with prompt + drawn tokens."""
-        return cls([sample], sample.request.prompt_ids + sample.output_ids)
-
-
-class LocalEngine:
+class LocalEngine(EngineMemory):
     """Continuous-batching generation over a :class:`ModelRunner`, run on its own thread."""
 
     def __init__(self, runner: ModelRunner, *, max_running_requests: int = 256,
@@ -89,6 +74,7 @@ class LocalEngine:
         of a request draws from that seed alone; otherwise it is ignored."""
         self.max_running_requests = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
+        self._max_prefill_tokens = max_prefill_tokens
         self.weight_version = weight_version
         self.paused = False
         self.released: set[str] = set()
@@ -111,11 +97,12 @@ class LocalEngine:
         self._row_seeds.manual_seed(self._generator.initial_seed() + 1)
         self._inbox: queue.Queue[tuple[Callable[[], Any], concurrent.futures.Future]] = (
             queue.Queue())
-        self._waiting: deque[_Prefill] = deque()
+        self._waiting: deque[Prefill] = deque()
         self._rows: list[Sample] = []
         self._rows_sampling: BatchSampling | None = None
-        self._prefilling: list[_Prefill] = []
-        self._blocked: tuple[_Prefill, int, int] | None = None  # (head, rows, step) of a full budget
+        self._prefilling: list[Prefill] = []
+        self._blocked: tuple[Prefill, int, int] | None = None  # (head, rows, step) of a full budget
+        self._in_forward = False  # a prefill's forward is running (_recover_from_oom)
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name="megarl-engine", daemon=True)
 
@@ -247,7 +234,7 @@ class LocalEngine:
                                    *self._row_random(p.seed))
             request.samples.append(Sample(request, j, request.sample_rids[j], max_new, sampling,
                                           stop_ids))
-        self._waiting.append(_Prefill(list(request.samples), list(request.prompt_ids)))
+        self._waiting.append(Prefill(list(request.samples), list(request.prompt_ids)))
 
     def _row_random(self, seed: int | None) -> tuple[torch.Generator | None, int]:
         """(generator, fused-sampler key) of a new row. Under deterministic inference both
@@ -259,7 +246,7 @@ class LocalEngine:
             return torch.Generator().manual_seed(seed), seed
         return None, int(torch.randint(1 << 62, (1,), generator=self._row_seeds))
 
-    def _admit(self) -> list[_Prefill]:
+    def _admit(self) -> list[Prefill]:
         """Waiting prefills that fit the row, prefill-token and KV budgets (at least one if idle
         and its KV fits at all), with the KV cache sized for their final lengths."""
         if not self._waiting or self._still_blocked():
@@ -267,11 +254,11 @@ class LocalEngine:
         budget = self.max_total_tokens
         if budget is not None:
             self._settle(compact=True)  # finished rows would hold KV slots
-        admitted: list[_Prefill] = []
+        admitted: list[Prefill] = []
         rows, width = len(self._rows), 0
         page = self.runner.kv_page_size
         final, slots = self.admission.held(self._rows, page)
-        twins: dict[tuple, _Prefill] = {}  # context (and adapter) -> the unit that prefills it
+        twins: dict[tuple, Prefill] = {}  # context (and adapter) -> the unit that prefills it
         while self._waiting:
             unit = self._waiting[0]
             key = (unit.samples[0].request.lora, *unit.context)
@@ -307,7 +294,8 @@ class LocalEngine:
             rows += len(unit.samples)
             width, final, slots = new_width, new_final, new_slots
         if admitted:  # the table for every row that may run: its growth drops the graphs
-            self.runner.reserve(max(rows, self.max_running_requests), final, slots, budget)
+            self.runner.reserve(max(rows, self.max_running_requests), final, slots, budget,
+                                self.max_prefill_tokens)
         return admitted
 
     def _still_blocked(self) -> bool:
@@ -318,7 +306,7 @@ class LocalEngine:
         return (blocked is not None and blocked[0] is self._waiting[0]
                 and blocked[1] == len(self._rows) and self.steps - blocked[2] < RECHECK_STEPS)
 
-    def _refuse(self, unit: _Prefill, peak: int, budget: int) -> None:
+    def _refuse(self, unit: Prefill, peak: int, budget: int) -> None:
         """Finish a prompt whose samples' KV cannot fit the cache (as aborted, with why)."""
         samples = unit.samples
         message = (f"{len(samples)} sample(s) of up to {final_length(samples[0])} tokens need "
@@ -344,11 +332,13 @@ class LocalEngine:
         if self._rows:
             self._decode()
 
-    def _prefill(self, units: list[_Prefill]) -> None:
+    def _prefill(self, units: list[Prefill]) -> None:
         want_routes = any(s.request.return_routed_experts for u in units for s in u.samples)
         if self.runner.lora is not None:
             self.runner.lora.set_rows([u.samples[0].request.lora for u in units])
+        self._in_forward = True  # out of memory in the forward: nothing changed yet
         out, kv = self.runner.prefill([u.context for u in units], want_routes)
+        self._in_forward = False
         expand = [i for i, u in enumerate(units) for _ in u.samples]
         samples = [s for u in units for s in u.samples]
         if want_routes:
@@ -410,7 +400,7 @@ class LocalEngine:
             return
         out = set(victims)
         self._waiting.extendleft(reversed([
-            _Prefill.retracted(self._rows[i]) for i in victims]))
+            Prefill.retracted(self._rows[i]) for i in victims]))
         keep = [i for i in range(len(self._rows)) if i not in out]
         self.runner.keep_rows(keep)
         self._set_rows([self._rows[i] for i in keep])
@@ -516,7 +506,7 @@ class LocalEngine:
             self.abort_requests(None, "aborted by pause_generation(mode=abort)")
         elif mode == "retract":
             self._settle(compact=True)
-            retracted = [_Prefill.retracted(s) for s in self._rows]
+            retracted = [Prefill.retracted(s) for s in self._rows]
             self._set_rows([])
             self.runner.clear_rows()
             self._waiting.extendleft(reversed(retracted))
@@ -526,75 +516,6 @@ class LocalEngine:
 
     def _resume(self) -> None:
         self.paused = False
-
-    def release_memory(self, tags: list[str]) -> str:
-        """Give up memory while training runs (engine thread only); generation waits until
-        :meth:`resume_memory`. ``weights``: :meth:`ModelRunner.offload` (host copy or drop)."""
-        unknown = sorted(set(tags) - set(MEMORY_TAGS))
-        if unknown:
-            raise ValueError(f"tags: unknown {unknown}; use {list(MEMORY_TAGS)} or null")
-        self._settle(compact=True)
-        if self._rows:
-            raise ValueError("requests are running: call /pause_generation (mode abort or "
-                             "retract) before releasing memory")
-        if "kv_cache" in tags:
-            self.runner.release_kv_cache()
-            # a budget cut by an out-of-memory step comes back: the next pool is sized against
-            # what the device then has free
-            self.max_total_tokens = self._max_total_tokens
-        self.runner.clear_rows()
-        if "weights" in tags and "weights" not in self.released:
-            self.runner.offload()
-        self.released |= set(tags)
-        if self.runner.device.type == "cuda" and {"weights", "kv_cache"} <= self.released:
-            log_held_device_memory(self.runner.device)
-        return f"released {sorted(self.released)}"
-
-    def resume_memory(self, tags: list[str]) -> str:
-        """Take back what :meth:`release_memory` gave up (engine thread only). When the device
-        has no room the allocator's out-of-memory error propagates and what failed stays
-        released (``MEGARL_OOM_AT=resume_rollout`` injects one, :mod:`megarl.faults`)."""
-        if "weights" in tags and "weights" in self.released:
-            oom_point("resume_rollout")
-            self.runner.reload()
-        self.released -= set(tags)
-        return f"still released: {sorted(self.released)}"
-
-    def _recover_from_oom(self, err: torch.OutOfMemoryError) -> bool:
-        """Retract every row, free the KV cache, shrink the budgets and queue the rows again
-        (module docstring); False once :data:`OOM_RETRIES` steps in a row ran out of memory."""
-        self._oom_streak += 1
-        if self._oom_streak > OOM_RETRIES:
-            return False
-        held = self.runner.kv_allocated_tokens
-        in_prefill = bool(self._prefilling)
-        again: list[_Prefill] = []
-        for unit in self._prefilling:  # not yet prefilled, or sampled a first token
-            live = [s for s in unit.samples if s.finish is None]
-            fresh = [s for s in live if not s.output_ids]
-            if fresh:
-                again.append(_Prefill(fresh, unit.context))
-            again += [_Prefill.retracted(s)
-                      for s in live if s.output_ids]
-        again += [_Prefill.retracted(s)
-                  for s in self._rows if s.finish is None]
-        self._retire([s for s in self._rows if s.finish is not None])
-        self._prefilling = []
-        self._set_rows([])
-        self.runner.release_kv_cache()
-        self._waiting.extendleft(reversed(again))
-        budget = self.max_total_tokens
-        if budget is not None and held:
-            self.max_total_tokens = max(1, min(budget, held * 3 // 4))
-        if in_prefill:
-            self.max_prefill_tokens = max(1, self.max_prefill_tokens // 2)
-        self.oom_recoveries += 1
-        logger.warning(
-            "out of memory in a generation step (%d in a row; %s): retracted %d row(s), freed "
-            "the KV cache of %d token slots; KV budget %s -> %s token slots, prefill budget %d "
-            "tokens", self._oom_streak, " ".join(str(err).split())[:200], len(again), held,
-            budget, self.max_total_tokens, self.max_prefill_tokens)
-        return True
 
     def _fail_all(self, err: Exception) -> None:
         requests = {id(s.request): s.request for s in self._rows}

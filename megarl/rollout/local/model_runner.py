@@ -335,12 +335,15 @@ class ModelRunner:
             return self.native.peak_kv_tokens(slots // self.native.cache.page_size, pool)
         return rows * length
 
-    def reserve(self, rows: int, length: int, slots: int, pool: int | None = None) -> None:
+    def reserve(self, rows: int, length: int, slots: int, pool: int | None = None,
+                prefill_tokens: int = 0) -> None:
         """Size the KV cache for :meth:`peak_kv_tokens`' rows (native path; the HF path grows
         its batch as it decodes). ``rows``: the most rows that may run (the page table's rows: a
-        table that grows drops the decode graphs, so the engine passes its row limit)."""
+        table that grows drops the decode graphs, so the engine passes its row limit);
+        ``prefill_tokens``: the prefill budget, whose activations the pool leaves room for."""
         if self.native is not None:
-            self.native.reserve(rows, length, slots // self.native.cache.page_size, pool)
+            self.native.reserve(rows, length, slots // self.native.cache.page_size, pool,
+                                prefill_tokens)
 
     def release_kv_cache(self) -> None:
         """Drop the running rows and free the KV cache (and CUDA graphs) until the next use."""

@@ -1,5 +1,5 @@
-"""The embedded engine's requests and their samples (one row of the running batch each), and a
-finished sample as the HTTP layer reports it."""
+"""The embedded engine's requests and their samples (one row of the running batch each), the
+contexts waiting to be prefilled, and a finished sample as the HTTP layer reports it."""
 
 from __future__ import annotations
 
@@ -77,3 +77,16 @@ class SampleResult:
     weight_version: str
     routed_experts: torch.Tensor | None
     e2e_latency: float
+
+
+@dataclass
+class Prefill:
+    """Rows that share one context to prefill (a new prompt's samples, or a retracted row)."""
+
+    samples: list[Sample]
+    context: list[int]
+
+    @classmethod
+    def retracted(cls, sample: Sample) -> Prefill:
+        """A running row taken out with its tokens: prefilled again with prompt + drawn tokens."""
+        return cls([sample], sample.request.prompt_ids + sample.output_ids)

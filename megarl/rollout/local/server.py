@@ -90,9 +90,9 @@ def _generation_failed(engine: LocalEngine, err: BaseException) -> JSONResponse:
     if isinstance(err, torch.OutOfMemoryError):
         free, total, holders = device_memory_report(engine.runner.device)
         reason += (f"; {free} bytes ({free / GB:.2f} GB) free of {total} on "
-                   f"{engine.runner.device}; held by: {holders}; the engine retried "
-                   f"{OOM_RETRIES} times with smaller budgets (lower "
-                   "rollout.gpu_memory_utilization, i.e. --mem-fraction-static)")
+                   f"{engine.runner.device}; held by: {holders}; the engine retried {OOM_RETRIES} "
+                   "times with smaller budgets (lower rollout.gpu_memory_utilization, i.e. "
+                   "--mem-fraction-static)")
     message = f"generation failed: {reason}"
     logger.error("/generate: %s", message)
     return JSONResponse({"error": {"message": message}}, status_code=500)

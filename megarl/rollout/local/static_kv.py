@@ -34,7 +34,7 @@ from megarl.rollout.local.decode_graphs import DecodeGraphs
 from megarl.rollout.local.decode_ops import grouped_experts, grouped_experts_match
 from megarl.rollout.local.fp8_layers import unquantized_activations
 from megarl.rollout.local.fused_projections import FusedLayer
-from megarl.rollout.local.kv_cache import PagedKVCache, row_bucket
+from megarl.rollout.local.kv_cache import PagedKVCache, activation_headroom, row_bucket
 from megarl.rollout.local.sampling import FusedSampling
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,9 @@ class NativeDecoder:
                                   self.device)
         self.pool_pages: int | None = None
         """Pages the pool is allocated with when it must grow (:meth:`reserve`'s ``pool``)."""
+        self.activation_bytes = 0
+        """What a growing pool leaves free on the device, if more than the 8% floor (set by
+        :meth:`reserve`)."""
         self.lengths = torch.zeros(0, dtype=torch.long)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.flash = self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
@@ -210,7 +213,8 @@ class NativeDecoder:
             if not self.cache.used_pages:  # the old pool goes before the new one comes
                 free += self.cache.allocated_tokens * self.cache.bytes_per_token
             page_bytes = self.cache.bytes_per_token * self.cache.page_size
-            limit = int((free - POOL_HEADROOM * total) // page_bytes) - 1
+            headroom = max(POOL_HEADROOM * total, self.activation_bytes + (1 << 29))
+            limit = int((free - headroom) // page_bytes) - 1
         if self.cache.ensure_pool(pages, self.pool_pages, limit):
             logger.info("KV pool: %d pages of %d tokens (%.2f GiB) for %d pages in use, reserved "
                         "%s, device limit %s", self.cache.pages_cap, self.cache.page_size,
@@ -220,10 +224,16 @@ class NativeDecoder:
             if self.device.type == "cuda":  # the old pool and the graphs' pool go back to the
                 torch.cuda.empty_cache()     # device: what the budget counts is what is held
 
-    def reserve(self, rows: int, length: int, pages: int, pool: int | None = None) -> None:
+    def reserve(self, rows: int, length: int, pages: int, pool: int | None = None,
+                prefill_tokens: int = 0) -> None:
         """Room for ``rows`` running rows of up to ``length`` tokens that hold ``pages`` pages
         in all at their final lengths (the running rows and the ones about to join); a pool
-        that must grow is allocated with ``pool`` token slots (a budget), else twice its size."""
+        that must grow is allocated with ``pool`` token slots (a budget), else twice its size,
+        leaving the device what prefills of ``prefill_tokens`` and the graphs of ``rows`` rows
+        need (:func:`~megarl.rollout.local.kv_cache.activation_headroom`)."""
+        self.activation_bytes = activation_headroom(
+            self.model.config, self.cache.bytes_per_token, self.dtype.itemsize, prefill_tokens,
+            rows, self.use_graphs)
         self.pool_pages = self._pool_pages(pool)
         self._ensure_table(rows, length + 1)
         self._grow(pages)
