@@ -42,7 +42,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from megarl.config.model_info import weight_files
-from megarl.memory import GB, device_memory_report, is_out_of_memory
+from megarl.memory import GB, device_memory_report, is_out_of_memory, settle_long_lived_objects
 from megarl.rollout.interface import SamplingParams
 from megarl.rollout.local.checkpoint_engine import CheckpointEndpoint
 from megarl.rollout.local.engine import MEMORY_TAGS, OOM_RETRIES, LocalEngine
@@ -578,8 +578,7 @@ def serve_main(argv: list[str]) -> int:
               "(rollout.api_key) or bind --host 127.0.0.1", file=sys.stderr)
         return 2
     if not Path(args.model, "config.json").exists():
-        print(f"--model {args.model}: no config.json there; pass an HF model directory",
-              file=sys.stderr)
+        print(f"--model {args.model}: no config.json; pass an HF model directory", file=sys.stderr)
         return 2
     if not weight_files(args.model):
         print(f"--model {args.model}: config.json but no weights (*.safetensors, "
@@ -589,6 +588,7 @@ def serve_main(argv: list[str]) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     state = create_state(args, api_key)
+    settle_long_lived_objects()  # the model's objects: garbage collection skips them from now on
     try:
         uvicorn.run(build_app(state), host=args.host, port=args.port, log_level=args.log_level)
     finally:
