@@ -388,11 +388,11 @@ def run_megarl(args: argparse.Namespace, shape: str, model: Path, data: Path,
             print(err, flush=True)
             return {"refused": "the preflight on the nodes refused these settings (above)"}
         print(f"[megarl {shape}] setup: {time.perf_counter() - started:.1f} s", flush=True)
-        urls = trainer.workers.client.urls
+        urls, limit = trainer.workers.client.urls, trainer.workers.client.max_concurrency_per_engine
         trainer.run(trainer.workers.client.close())
         trainer.workers.client = ForcedLengthClient(
             urls, median=args.median, sigma=args.sigma, cap=args.max_response,
-            timeout_s=trainer.cfg.trainer.phase_timeout_s)
+            timeout_s=trainer.cfg.trainer.phase_timeout_s, max_concurrency_per_engine=limit)
         scheduler = build_scheduler(trainer, SchedulerConfig(mode="colocate_sync"))
         try:
             total = args.warmup + args.steps

@@ -22,7 +22,8 @@ def default_client_factory(trainer: StepDriver) -> Callable[[], Any]:
     def make() -> SGLangClient:  # naming the adapter the trainer's client names (adapter sync)
         return SGLangClient(client.urls, router_url=client.router_url,
                             timeout_s=cfg.trainer.phase_timeout_s, api_key=cfg.rollout.api_key,
-                            adapter=client.adapter)
+                            adapter=client.adapter,
+                            max_concurrency_per_engine=client.max_concurrency_per_engine)
 
     return make
 

@@ -488,13 +488,23 @@ def _remove_pools(pools: dict[str, Any]) -> None:
         pool.remove()
 
 
+def client_concurrency(cfg: RunConfig) -> int:
+    """Requests the trainer's client keeps in flight per engine. Each carries one sample, so
+    twice the sequences an engine runs at once (``rollout.max_num_seqs``; the other half waits
+    in the engine's queue and is admitted as rows finish), and at least the client's default
+    256. With the default alone an engine never ran more than 256 sequences, whatever
+    ``max_num_seqs`` said (512 on the e2e benchmark's shapes)."""
+    return max(256, 2 * (engine_max_num_seqs(cfg) or 256))
+
+
 def rollout_client(cfg: RunConfig, urls: list[str]) -> SGLangClient:
     """The trainer's client of the rollout engines; with R3 it knows where the MoE layers sit
     in SGLang's every-layer ``routed_experts`` (from the model's config.json)."""
     layout = (RoutedExpertsLayout.from_model_path(cfg.model.path)
               if cfg.rollout.enable_return_routed_experts else None)
     return SGLangClient(urls, timeout_s=cfg.trainer.phase_timeout_s,
-                        api_key=cfg.rollout.api_key, routed_experts_layout=layout)
+                        api_key=cfg.rollout.api_key, routed_experts_layout=layout,
+                        max_concurrency_per_engine=client_concurrency(cfg))
 
 
 def _assemble(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,

@@ -128,6 +128,7 @@ class SGLangClient(EngineCalls):
         self.balancer = LoadBalancer(len(self.urls))
         self.adapter = adapter or AdapterRef()
         self.stats = ClientStats(requests=[0] * len(self.urls))
+        self.max_concurrency_per_engine = max_concurrency_per_engine
         self._limit = max_concurrency_per_engine
         self._semaphores: list[asyncio.Semaphore] | None = None
         self._layouts: dict[int, RoutedExpertsLayout | None] = {}
