@@ -158,7 +158,7 @@ def test_paged_cache_keeps_prefill_kv_and_page_ids_through_growth():
     kv.ensure_table(3, 7)
     kv.ensure_pool(6)
     kv.add_rows(lengths.tolist())
-    kv.write(0, prefill)
+    kv.write(0, prefill, [0, 1, 2])
 
     def row_tokens(pool: torch.Tensor, row: int, n: int) -> torch.Tensor:
         return pool[kv.table[row].long()].flatten(0, 1)[:n]
@@ -171,6 +171,33 @@ def test_paged_cache_keeps_prefill_kv_and_page_ids_through_growth():
     assert kv.pages_cap == 12 and kv.free_pages == 6
     for row, n in enumerate(lengths.tolist()):
         assert torch.equal(row_tokens(kv.values[1], row, n), before[row])
+
+
+@pytest.mark.parametrize("chunk_bytes", [64 << 20, 40])  # 40 bytes: one token a gather
+def test_prefill_rows_are_written_to_each_sample_row_without_expanding_them(monkeypatch,
+                                                                          chunk_bytes):
+    """A prompt's samples (repeated prefill rows) each get the prefill's K/V in their own
+    pages, written straight from the prefill (in gathers of at most WRITE_CHUNK_BYTES of one
+    layer): the same tokens as the prefill rows, for every layer, K and V."""
+    import megarl.rollout.local.kv_cache as kv_cache_module
+
+    monkeypatch.setattr(kv_cache_module, "WRITE_CHUNK_BYTES", chunk_bytes)
+    kv = cache(page_size=3)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.tensor([4, 6])
+    prefill = PrefillKV([torch.randn(2, 6, 2, 4, generator=g) for _ in range(2)],
+                        [torch.randn(2, 6, 2, 4, generator=g) for _ in range(2)], lengths)
+    index = [1, 0, 1, 1, 0]  # a second prompt's three samples, the first one's two
+    kv.ensure_table(5, 6)
+    kv.ensure_pool(12)
+    kv.add_rows(lengths[index].tolist())
+    kv.write(0, prefill, index)
+    for layer in range(2):
+        for pools, new in ((kv.keys, prefill.keys), (kv.values, prefill.values)):
+            for row, source in enumerate(index):
+                n = int(lengths[source])
+                got = pools[layer][kv.table[row].long()].flatten(0, 1)[:n]
+                assert torch.equal(got, new[layer][source, :n])
 
 
 def test_the_budget_comes_from_the_flags(model_dir):

@@ -22,6 +22,8 @@ import torch
 
 ROW_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 LENGTH_STEP = 256
+WRITE_CHUNK_BYTES = 64 << 20
+"""The most K (or V) bytes of one layer a prefill write gathers at once."""
 PAGE_SIZE = 64
 """Tokens a page holds: the split-K attention kernel's tile of keys."""
 
@@ -194,16 +196,22 @@ class PagedKVCache:
                          + t % size)
         return torch.cat(parts).to(self.device, non_blocking=True)
 
-    def write(self, start: int, kv) -> None:
-        """Put the prefill rows (a ``PrefillKV``, right-padded) into running rows
-        ``start..start+rows-1``, which hold their pages already."""
-        lengths = kv.lengths.tolist()
+    def write(self, start: int, kv, index: list[int]) -> None:
+        """Put rows ``index`` of a prefill's K/V (a ``PrefillKV``, right-padded; repeats
+        allowed) into running rows ``start..``, which hold their pages already. The K/V are
+        gathered a chunk of at most :data:`WRITE_CHUNK_BYTES` per layer at a time: expanding a
+        prefill of 300 sample rows to them at once held ~14 GB on the dense e2e shape (all
+        layers), and ran the step out of memory beside a full pool."""
         width = kv.keys[0].shape[1]
-        dst = self.slots(range(start, start + kv.rows), lengths)
-        src = torch.cat([torch.arange(n) + i * width for i, n in enumerate(lengths)])
+        lengths = kv.lengths[index].tolist()
+        dst = self.slots(range(start, start + len(index)), lengths)
+        src = torch.cat([torch.arange(n) + i * width for i, n in zip(index, lengths)])
         src = src.to(self.device, non_blocking=True)
+        chunk = max(1, WRITE_CHUNK_BYTES * 2 * self.layers // self.bytes_per_token)
         for pool, new in zip(self.keys + self.values, kv.keys + kv.values):
-            pool.view(-1, *self.shape_tail)[dst] = new.reshape(-1, *self.shape_tail)[src]
+            flat, out = new.reshape(-1, *self.shape_tail), pool.view(-1, *self.shape_tail)
+            for first in range(0, int(src.shape[0]), chunk):
+                out[dst[first:first + chunk]] = flat[src[first:first + chunk]]
 
     def keep(self, index: list[int]) -> None:
         """Keep running rows ``index`` as rows ``0..len(index)-1``; the others' pages go back."""

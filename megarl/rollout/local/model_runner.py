@@ -395,10 +395,10 @@ class ModelRunner:
         """Add rows ``index`` of a prefill's KV (repeats allowed) after the running rows."""
         if not index:
             return
-        new = kv.select(index)
-        if self.native is not None:
-            self.native.append(new)
+        if self.native is not None:  # the prefill's K/V go to each row's pages directly
+            self.native.append(kv, index)
             return
+        new = kv.select(index)
         self._set_batch(new if self.batch is None else self.batch.concat(new))
 
     def keep_rows(self, index: list[int]) -> None:

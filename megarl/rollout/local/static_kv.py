@@ -162,14 +162,16 @@ class NativeDecoder:
         return int(self.lengths.shape[0])
 
     # ----- rows -----
-    def append(self, kv: PrefillKV) -> None:
-        """Add prefilled rows after the running ones."""
-        start, lengths = self.rows, kv.lengths.tolist()
-        self._ensure_table(start + kv.rows, max(max(lengths), self._longest()) + 1)
+    def append(self, kv: PrefillKV, index: list[int] | None = None) -> None:
+        """Add prefilled rows after the running ones: rows ``index`` of ``kv`` (repeats
+        allowed: a prompt's samples), each written from the prefill's K/V into its own pages."""
+        index = list(range(kv.rows)) if index is None else index
+        start, lengths = self.rows, kv.lengths[index].tolist()
+        self._ensure_table(start + len(index), max(max(lengths), self._longest()) + 1)
         self._grow(self.cache.used_pages + sum(self.cache.pages_for(n) for n in lengths))
         self.cache.add_rows(lengths)
-        self.cache.write(start, kv)
-        self.lengths = torch.cat([self.lengths, kv.lengths])
+        self.cache.write(start, kv, index)
+        self.lengths = torch.cat([self.lengths, kv.lengths[index]])
 
     def keep(self, index: list[int]) -> None:
         """Keep running rows ``index`` (in that order) as rows ``0..len-1``; the others' pages
