@@ -319,6 +319,7 @@ class LocalEngine(EngineMemory):
         self._retire(samples)
 
     def _step(self) -> None:
+        self._in_forward = False  # (a prefill that raised something else left it set)
         with Timer() as scheduled:
             admitted = self._admit()
         self.profile.add("schedule_s", scheduled.s)
