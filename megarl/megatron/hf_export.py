@@ -14,6 +14,7 @@ goes through mbridge.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,15 +34,46 @@ def one_rank_layout(bridge) -> bool:
     return mpu.tp_size == 1 and mpu.pp_size == 1 and mpu.ep_size == 1 and mpu.etp_size == 1
 
 
-def export_hf_weights(model: ActorModel) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(model: ActorModel, copies_only: bool = False
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` for every HF tensor, in mbridge's export order (collective over
-    the model-parallel groups unless :func:`one_rank_layout`)."""
+    the model-parallel groups unless :func:`one_rank_layout`). ``copies_only``: only the
+    tensors that are not views of their parameter (a split QKV), for a sync whose engine
+    holds the views already (:func:`view_token` says when that holds)."""
     bridge = model.bridge
     if not one_rank_layout(bridge):
+        if copies_only:
+            raise ValueError("copies_only: the export gathers shards on this layout; every "
+                             "tensor is a copy")
         yield from bridge.export_weights(model.chunks)
         return
     for chunk in model.chunks:
-        yield from _chunk_tensors(bridge, unwrap_chunk(chunk))
+        yield from _chunk_tensors(bridge, unwrap_chunk(chunk), copies_only)
+
+
+def view_token(model: ActorModel) -> tuple | None:
+    """What the views of the export depend on: each chunk's recorded plan and the storages of
+    its parameters and buffers (an offload's reload or a rebuilt model changes it); None while
+    some chunk has no plan yet (before its first export) or the layout gathers shards. Equal
+    tokens mean :func:`export_hf_weights` yields views of the same memory, at the same places."""
+    if not one_rank_layout(model.bridge):
+        return None
+    plans, storages = [], set()
+    for chunk in model.chunks:
+        module = unwrap_chunk(chunk)
+        plan = _PLANS.get(module)
+        if plan is None:
+            return None
+        plans.append(id(plan))
+        for tensor in itertools.chain(module.parameters(), module.buffers()):
+            storages.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
+    return tuple(plans), frozenset(storages)
+
+
+def copy_names(model: ActorModel) -> list[str]:
+    """HF names of the tensors that are not views of their parameter, in export order (what
+    ``export_hf_weights(model, copies_only=True)`` yields); call after a first export."""
+    return [name for name, _ in export_hf_weights(model, copies_only=True)]
 
 
 @dataclass
@@ -62,7 +94,8 @@ _PLANS: weakref.WeakKeyDictionary[torch.nn.Module, list[_Param]] = weakref.WeakK
 """Per chunk, the :class:`_Param` of each parameter in export order, learnt on its first export."""
 
 
-def _chunk_tensors(bridge, module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _chunk_tensors(bridge, module: torch.nn.Module, copies_only: bool = False
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """One chunk's parameters, then the router ``expert_bias`` buffers that megatron keeps out of
     ``named_parameters`` (the keys mbridge adds from ``state_dict``), as HF tensors.
 
@@ -71,9 +104,11 @@ def _chunk_tensors(bridge, module: torch.nn.Module) -> Iterator[tuple[str, torch
     HF tensors are views of their parameter (all but a split QKV: embeddings, norms, projections,
     each expert's gate and up halves); later exports rebuild those views with ``as_strided`` of
     the tensor ``named_parameters`` yields then (a LoRA merge yields a new one) and call mbridge
-    only for the rest."""
+    only for the rest. ``copies_only`` skips the views (it needs the recorded plan)."""
     params = dict(module.named_parameters())  # what it yields now (LoRA merges through it)
     plan = _PLANS.get(module)
+    if copies_only and plan is None:
+        raise ValueError("copies_only: export every tensor once first (no plan is recorded)")
     if plan is None or [e.name for e in plan if not e.buffer] != list(params):
         plan = []
         yield from _recorded(bridge, module, plan)
@@ -85,6 +120,8 @@ def _chunk_tensors(bridge, module: torch.nn.Module) -> Iterator[tuple[str, torch
         base = tensor.detach()
         if entry.views is None or (base.shape, base.stride()) != entry.layout:
             yield from zip(*bridge._weight_to_hf_format(entry.global_name, tensor))
+            continue
+        if copies_only:
             continue
         offset = base.storage_offset()
         for name, size, stride, rel in entry.views:

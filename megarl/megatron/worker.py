@@ -30,7 +30,7 @@ from megarl.megatron.checkpoint import (
     start_save,
 )
 from megarl.megatron.cuda_graphs import GraphedChunk, graph_unsupported_reason
-from megarl.megatron.hf_export import export_hf_weights
+from megarl.megatron.hf_export import copy_names, export_hf_weights, view_token
 from megarl.megatron.logprobs import compute_log_probs
 from megarl.megatron.lora import apply_lora, export_merged_weights, peft_adapter
 from megarl.megatron.model import ActorModel, RecomputeSettings, build_actor_model
@@ -42,7 +42,12 @@ from megarl.megatron.router_replay import replay_routes as replay_routes_in
 from megarl.megatron.settings import DTYPES, ActorSpec, LoraSettings
 from megarl.megatron.update import TrainSequence, train_step
 from megarl.memory import Peaks, free_cached_memory, phase_memory, settle_long_lived_objects
-from megarl.weights.sglang_sender import BucketSpec, ColocatedSender, broadcast_buckets
+from megarl.weights.sglang_sender import (
+    BucketSpec,
+    ColocatedSender,
+    Persist,
+    broadcast_buckets,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +92,8 @@ class ActorWorker(Worker):
             self.ref = self._build_model(dtype)
         self.weight_group: dist.ProcessGroup | None = None
         self._colocated: tuple[Any, ColocatedSender] | None = None
+        self._copy_names: tuple[Any, tuple[str, ...]] | None = None
+        """(view token, names of the export's fresh tensors) for the persistent sync."""
         self.offloader = StateOffloader(self.actor.model.chunks, self.actor.optimizer)
         self.ref_offloader = StateOffloader(self.ref.chunks if self.ref is not None else [])
         self.memory_peaks: Peaks = {}
@@ -312,15 +319,33 @@ class ActorWorker(Worker):
                 "optimizer_restored": loaded.optimizer_restored,
                 "rng_restored": loaded.rng_restored}
 
-    def _export(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named tensors of the actor (parameters brought back first if offloaded)."""
+    def _export(self, copies_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named tensors of the actor (parameters brought back first if offloaded);
+        ``copies_only``: those that are not views of a parameter (hf_export's)."""
         with self._phase("sync_weights"):
             self._move(self.offloader, "reload", ["param"])
             model = self.actor.model
             if self.spec.lora.enabled:  # W + scale * B @ A under the base names
                 yield from export_merged_weights(model)
             else:
-                yield from export_hf_weights(model)
+                yield from export_hf_weights(model, copies_only)
+
+    def _persist(self, sender: ColocatedSender) -> Persist | None:
+        """What lets the engine keep this rank's views between syncs (the sender's
+        ``persist``), or None where it cannot: LoRA's merged export makes every tensor afresh,
+        an offloaded parameter comes back elsewhere, an engine of several GPUs or a SGLang
+        server takes packed buckets only."""
+        model = self.actor.model
+        if (self.spec.lora.enabled or self.spec.offload.param_offload
+                or not sender.persistent_engine()):
+            return None
+        token = view_token(model)
+        if token is None:
+            return None
+        if self._copy_names is None or self._copy_names[0] != token:
+            self._copy_names = (token, tuple(copy_names(model)))
+        return Persist(token, token[1], self._copy_names[1],
+                       lambda: self._export(copies_only=True))
 
     def lora_adapter(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | None:
         """The adapters in PEFT's format (``adapter_config.json``, state dict on the CPU), for
@@ -373,8 +398,9 @@ class ActorWorker(Worker):
                                timeout_s: float) -> dict[str, float]:
         """Export HF-named tensors (collective) and hand each bucket of ``plan`` to the engine
         sharing this rank's GPU through SGLang's ``/update_weights_from_tensor`` (CUDA IPC
-        handles; inline bytes on CPU). Returns the bytes this rank packed and the seconds spent
-        packing and waiting for the engine."""
+        handles; inline bytes on CPU), or with an embedded engine as views it keeps from the
+        first sync on (:meth:`_persist`). Returns the bytes this rank sent, the seconds spent
+        packing and waiting for the engine, and whether the engine replayed its kept views."""
         key = (tuple(urls), gpus_per_engine)
         if self._colocated is None or self._colocated[0] != key:
             if self._colocated is not None:
@@ -383,8 +409,10 @@ class ActorWorker(Worker):
                                      api_key=api_key, timeout_s=timeout_s)
             self._colocated = (key, sender)
         sender = self._colocated[1]
-        sent = sender.send(self._export(), plan, torch.device(self.device), version)
-        return {"bytes": float(sent), **{f"{k}_s": v for k, v in sender.seconds.items()}}
+        sent = sender.send(self._export(), plan, torch.device(self.device), version,
+                           persist=self._persist(sender))
+        return {"bytes": float(sent), "replayed": float(sender.posts.get("replayed", 0)),
+                **{f"{k}_s": v for k, v in sender.seconds.items()}}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The whole model in HF names (rank 0's copy; for tests and checks on tiny models)."""

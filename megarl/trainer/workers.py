@@ -269,7 +269,8 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
                                       version, cfg.rollout.api_key, timeout)
             return {"checkpoint_engine/bytes": sum(r["bytes"] for r in ranks),
                     "checkpoint_engine/pack_s": max(r["pack_s"] for r in ranks),
-                    "checkpoint_engine/engine_wait_s": max(r["engine_s"] for r in ranks)}
+                    "checkpoint_engine/engine_wait_s": max(r["engine_s"] for r in ranks),
+                    "checkpoint_engine/replayed": max(r["replayed"] for r in ranks)}
 
         return sync_colocated
     return _broadcast_sync(cfg, actor, rollout, urls, is_driver, device, plan)

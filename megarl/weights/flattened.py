@@ -121,14 +121,14 @@ ZERO_COPY_MIN_BYTES = 64 << 20
 
 
 def zero_copy_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.device,
-                     min_tensors: int = ZERO_COPY_MIN_TENSORS
+                     min_tensors: int = ZERO_COPY_MIN_TENSORS, shared: bool = False
                      ) -> tuple[list[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
     """Split a bucket into groups that :func:`view_payload` sends without a copy, and the rest
     (in bucket order) to pack. A group is the contiguous tensors of one dtype on ``device``
     that share one storage (a Megatron actor's parameters are views of DDP's contiguous
     buffers), with ``min_tensors`` of them or :data:`ZERO_COPY_MIN_BYTES`; off
     CUDA, where the bytes between the tensors travel inline, a group must also fill at least
-    half of the span it covers."""
+    half of the span it covers (unless ``shared``: CPU storages sent as shared memory)."""
     by_storage: dict[tuple[int, torch.dtype], list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in named:
         if tensor.device.type == device.type and tensor.is_contiguous() and tensor.numel():
@@ -140,7 +140,7 @@ def zero_copy_groups(named: Sequence[tuple[str, torch.Tensor]], device: torch.de
         if len(group) < min_tensors and nbytes < ZERO_COPY_MIN_BYTES:
             continue
         first, end = _span(group)
-        if device.type != "cuda" and 2 * nbytes < end - first:
+        if device.type != "cuda" and not shared and 2 * nbytes < end - first:
             continue
         groups.append(group)
         grouped.update(name for name, _ in group)
@@ -208,8 +208,33 @@ def _local_device(device: int | str) -> int:
                      "the colocated engine must run on the trainer rank's GPU")
 
 
+class _SharedFile:
+    """Pickles as torch's ``rebuild_storage_filename`` of a CPU storage moved to shared memory."""
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.args = storage._share_filename_cpu_()
+        storage._shared_incref()  # the receiver's rebuild drops this reference
+
+    def __reduce__(self) -> tuple:
+        return reductions.rebuild_storage_filename, (torch.UntypedStorage, *self.args)
+
+
+class _SharedBytes:
+    """Pickles as the uint8 typed storage over a :class:`_SharedFile` (what a tensor rebuilds
+    on)."""
+
+    def __init__(self, storage: torch.UntypedStorage) -> None:
+        self.file = _SharedFile(storage)
+
+    def __reduce__(self) -> tuple:
+        return reductions.rebuild_typed_storage, (self.file, torch.uint8)
+
+
 class _Pickler(ForkingPickler):
-    """ForkingPickler that names the GPU by UUID and writes CPU tensors' bytes inline."""
+    """ForkingPickler that names the GPU by UUID and writes CPU tensors' bytes inline (or,
+    with ``share_cpu``, moves their storage to shared memory and names its file)."""
+
+    share_cpu = False
 
     def reducer_override(self, obj: Any) -> Any:
         if not isinstance(obj, torch.Tensor):
@@ -218,6 +243,10 @@ class _Pickler(ForkingPickler):
             rebuild, args = reductions.reduce_tensor(obj)
             args = (*args[:_DEVICE_ARG], _device_uuid(args[_DEVICE_ARG]), *args[_DEVICE_ARG + 1:])
             return rebuild, args
+        if self.share_cpu and obj.device.type == "cpu" and obj.dtype == torch.uint8:
+            return reductions.rebuild_tensor, (torch.Tensor, _SharedBytes(obj.untyped_storage()),
+                                               (obj.storage_offset(), tuple(obj.shape),
+                                                obj.stride(), False))
         if obj.device.type != "cpu" or obj.dtype != torch.uint8 or obj.dim() != 1:
             raise TypeError(f"cannot serialize a {obj.dtype} {obj.device.type} tensor of "
                             f"{obj.dim()} dims inline; flatten it into a uint8 bucket first")
@@ -225,11 +254,15 @@ class _Pickler(ForkingPickler):
         return functools.partial(torch.frombuffer, dtype=torch.uint8), (data,)
 
 
-def serialize(obj: Any) -> str:
+def serialize(obj: Any, share_cpu: bool = False) -> str:
     """``obj`` as SGLang's ``MultiprocessingSerializer.serialize(obj, output_str=True)`` would
-    write it (base64 of a ForkingPickler pickle), GPUs named by UUID."""
+    write it (base64 of a ForkingPickler pickle), GPUs named by UUID. ``share_cpu``: a CPU
+    uint8 tensor's storage moves to shared memory (torch's ``file_system`` strategy) and the
+    receiver maps it, where by default its bytes are copied inline."""
     buf = io.BytesIO()
-    _Pickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    pickler = _Pickler(buf, pickle.HIGHEST_PROTOCOL)
+    pickler.share_cpu = share_cpu
+    pickler.dump(obj)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

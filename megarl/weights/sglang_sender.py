@@ -22,13 +22,27 @@ driver, which posts the matching HTTP calls), and send each bucket as SGLang's
   beside. It is off by default: on an H100 the 30B-A3B slice (11.2 GB, 3,147 tensors) synced in
   96 ms with it and in 77 ms packed, the engine taking 59 ms against 11 ms to load the views
   (benchmarks/colocated_sync.py; RESULTS.md).
+
+**Persistent** (``send(persist=...)``, the default of a Megatron actor on one rank beside
+megarl's embedded engine of one GPU, :meth:`ActorWorker._persist`): the views are sent once, and
+the engine keeps them (``megarl_keep``: the CUDA IPC mapping stays open, or on the CPU the
+storage moves to shared memory and the engine maps it). While the actor's memory stays where it
+was (:class:`Persist`'s token: the export's plan and the parameters' storages) a later sync
+exports only the tensors made afresh (a split QKV) and packs them into the buffer the engine
+kept as the program's last part, then posts ``megarl_replay`` with no payload: the engine copies
+every kept part in again, in one ``torch._foreach_copy_``. A sync is then one post and one copy
+of the weights on the engine, whatever the tensor count. A changed
+token, a plan that changed or an engine that no longer holds the program (restarted) registers
+again in the same sync; an export whose fresh tensors are not exactly those the registration
+left to pack is never kept.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -163,6 +177,80 @@ class _Post:
         return self.error
 
 
+KEEP_FIELD = "megarl_keep"
+"""Body field of an embedded engine's ``/update_weights_from_tensor``: ``{"program": name,
+"part": k}`` keeps the payload's views as part k of a program (part 0 starts it anew)."""
+EMBEDDED_VERSION = "megarl-embedded"
+"""``/get_server_info``'s ``version`` of megarl's embedded engine."""
+REPLAY_FIELD = "megarl_replay"
+"""Body field naming a program the engine copies in again before it loads the payload."""
+
+
+@dataclass(frozen=True)
+class Persist:
+    """What a persistent colocated sync needs from the export (:meth:`ColocatedSender.send`)."""
+
+    token: Hashable
+    """Equal while the export yields views of the same memory at the same places."""
+    storages: frozenset[tuple[int, int]]
+    """(data pointer, bytes) of the storages those views live in: the actor's own memory."""
+    copy_names: tuple[str, ...]
+    """The tensors the export makes afresh at every sync (a split QKV), in export order."""
+    export_copies: Callable[[], Iterable[tuple[str, torch.Tensor]]]
+    """Yields exactly those tensors (no view is made)."""
+
+
+@dataclass(frozen=True)
+class _Program:
+    """Views an engine keeps, and what a sync sends beside them."""
+
+    name: str
+    token: Hashable
+    builds: int
+    copies: list[tuple[str, torch.Size, torch.dtype]]
+    """(name, shape, dtype sent) of the tensors packed into ``buffer``, in order."""
+    buffer: torch.Tensor | None
+    nbytes: int
+
+
+class _Registration:
+    """The views a registering sync asks the engine to keep, and the tensors left to pack."""
+
+    def __init__(self, name: str, persist: Persist, builds: int) -> None:
+        self.name, self.persist, self.builds = name, persist, builds
+        self.parts = 0
+        self.copies: list[tuple[str, torch.Size, torch.dtype]] = []
+        self.buffer: torch.Tensor | None = None
+        """Where the tensors left to pack went (kept by the engine as the last part)."""
+        self.nbytes = 0
+
+    def split(self, cast: list[tuple[str, torch.Tensor]], device: torch.device
+              ) -> tuple[list[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
+        """Groups of views of the actor's storages (each kept by the engine), and the rest."""
+        copy_names, storages = set(self.persist.copy_names), self.persist.storages
+        stable = [(name, t) for name, t in cast if name not in copy_names
+                  and (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) in storages]
+        groups, _ = zero_copy_groups(stable, device, min_tensors=1, shared=True)
+        grouped = {name for group in groups for name, _ in group}
+        rest = [(name, t) for name, t in cast if name not in grouped]
+        self.copies.extend((name, t.shape, t.dtype) for name, t in rest)
+        self.nbytes += sum(t.numel() * t.element_size() for _, t in cast)
+        return groups, rest
+
+    def part(self) -> dict[str, Any]:
+        """The keep mark of the next kept post."""
+        self.parts += 1
+        return {"program": self.name, "part": self.parts - 1}
+
+    def program(self) -> _Program | None:
+        """The program registered, or None when the export's fresh tensors were not exactly
+        the ones left to pack (the engine would then hold something a later sync changes)."""
+        if [name for name, _, _ in self.copies] != list(self.persist.copy_names):
+            return None
+        return _Program(self.name, self.persist.token, self.builds, self.copies, self.buffer,
+                        self.nbytes)
+
+
 class ColocatedSender:
     """Sends buckets to the engine whose GPUs this train rank shares (see the module doc)."""
 
@@ -182,6 +270,10 @@ class ColocatedSender:
         self.zero_copy = zero_copy
         self.layouts = LayoutCache()
         """The plan's bucket layouts, kept from sync to sync while the plan is unchanged."""
+        self._program: _Program | None = None
+        self._unkept: Hashable | None = None
+        """The token of a registration whose program did not hold (not tried again)."""
+        self._embedded: bool | None = None
         self.seconds: dict[str, float] = {}
         """Where the last :meth:`send` spent its time: ``pack`` (export, cast, copy into the
         bucket, serialize, gather) and ``engine`` (waiting for the engine's replies)."""
@@ -207,18 +299,120 @@ class ColocatedSender:
         return mine
 
     def send(self, named: Iterable[tuple[str, torch.Tensor]], plan: Sequence[BucketSpec],
-             device: torch.device, version: str) -> int:
+             device: torch.device, version: str, persist: Persist | None = None) -> int:
         """Send every bucket of ``plan``; the last post carries ``version``. Returns the tensor
         bytes this rank sent. A bucket goes as one post per :func:`zero_copy_groups` group (a
-        view of the actor's own memory) and one post of the rest, packed into a buffer."""
+        view of the actor's own memory) and one post of the rest, packed into a buffer.
+
+        ``persist`` (an embedded engine of one GPU, :meth:`persistent_engine`): the engine keeps
+        the views it is sent (a *program*), and while ``persist.token`` and the plan stay the
+        same a later sync sends only ``persist.export_copies()`` packed, with one post that
+        replays the program (see the module doc)."""
+        self.seconds = {"pack": 0.0, "engine": 0.0}
+        self.posts = {"zero_copy": 0, "packed": 0, "replayed": 0}
+        start = time.perf_counter()
+        layouts = self.layouts.get(plan)
+        keep = None
+        if persist is not None and self.size == 1 and persist.token != self._unkept:
+            program = self._program
+            if (program is not None and program.token == persist.token
+                    and program.builds == self.layouts.builds):
+                sent = self._replay(program, persist, device, version, start)
+                if sent is not None:
+                    return sent
+                start = time.perf_counter()
+            keep = _Registration(f"colocated-{self.engine}", persist, self.layouts.builds)
+        self._program = None
+        sent = self._send_buckets(named, layouts, device, version, start, keep)
+        if keep is not None:
+            self._program = keep.program()
+            if self._program is None:
+                self._unkept = persist.token
+        return sent
+
+    def _replay(self, program: _Program, persist: Persist, device: torch.device,
+                version: str, start: float) -> int | None:
+        """One post and no payload: the export's fresh tensors are packed into the buffer the
+        engine keeps, and the engine copies in every part of the program. None (nothing sent)
+        when the export's fresh tensors are not the registered ones or the engine does not
+        hold the program (a restarted engine): register again."""
+        named = [(name, t.detach()) for name, t in persist.export_copies()]
+        if [(name, t.shape) for name, t in named] != [(n, s) for n, s, _ in program.copies]:
+            return None
+        if program.buffer is not None:
+            flatten_into(program.buffer, [(name, t.to(dtype)) for (name, t), (_, _, dtype)
+                                          in zip(named, program.copies)])
+        if device.type == "cuda":  # the engine reads the actor's memory and the buffer
+            torch.cuda.current_stream(device).synchronize()
+        waited = time.perf_counter()
+        self.seconds["pack"] += waited - start
+        body = {"serialized_named_tensors": [], "load_format": FLATTENED_BUCKET,
+                "flush_cache": True, "abort_all_requests": False, "weight_version": version,
+                REPLAY_FIELD: program.name}
+        error = _Post(self._http, self.url, body).wait() if self._http is not None else None
+        self.seconds["engine"] += time.perf_counter() - waited
+        if error is not None:
+            self._program = None
+            if "is not held" in error:
+                return None
+            raise RuntimeError(f"colocated weight sync to engine {self.engine} ({self.url}): "
+                               f"{error}")
+        self.posts["replayed"] += 1
+        return program.nbytes
+
+    def persistent_engine(self) -> bool:
+        """Whether the engine keeps views between syncs (megarl's embedded engine does; a
+        SGLang server does not), asked once through ``/get_server_info``."""
+        if self._embedded is None:
+            self._embedded = False
+            if self._http is not None and self.size == 1:
+                try:
+                    info = self._http.get(self.url + "/get_server_info").json()
+                    self._embedded = info.get("version") == EMBEDDED_VERSION
+                except Exception:  # noqa: BLE001 - an engine that cannot say keeps nothing
+                    self._embedded = False
+        return self._embedded
+
+    def _send_buckets(self, named: Iterable[tuple[str, torch.Tensor]],
+                      layouts: Sequence[Any], device: torch.device, version: str,
+                      start: float, keep: _Registration | None) -> int:
+        """Every bucket, as :meth:`send` says. With ``keep`` the engine keeps each bucket's views
+        and, last, one buffer that packs every tensor left (the one a replay refills)."""
         buffers: list[torch.Tensor | None] = [None, None]
         pending: _Post | None = None
         sent = copies = 0
-        self.seconds = {"pack": 0.0, "engine": 0.0}
-        self.posts = {"zero_copy": 0, "packed": 0}
-        start = time.perf_counter()
-        layouts = self.layouts.get(plan)
+        left: list[tuple[str, torch.Tensor]] = []
+
+        def post(payload: dict[str, Any], mark: dict[str, Any] | None, last: bool) -> None:
+            nonlocal pending, start
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            entries = self._gather(serialize(payload, share_cpu=mark is not None))
+            waited = time.perf_counter()
+            self.seconds["pack"] += waited - start
+            self._settle(pending)  # the engine loads posts in order: one at a time
+            start = time.perf_counter()
+            self.seconds["engine"] += start - waited
+            pending = None
+            if self._http is not None:
+                body = {"serialized_named_tensors": entries, "load_format": FLATTENED_BUCKET,
+                        "flush_cache": last, "abort_all_requests": False,
+                        "weight_version": version if last else None}
+                if mark is not None:
+                    body[KEEP_FIELD] = mark
+                pending = _Post(self._http, self.url, body)
+
         for index, (layout, tensors) in enumerate(iter_layouts(named, layouts)):
+            final = index == len(layouts) - 1
+            sent += layout.size
+            if keep is not None:
+                groups, rest = keep.split(cast_bucket(layout, tensors), device)
+                left += rest
+                self.posts["zero_copy"] += len(groups)
+                for number, group in enumerate(groups):
+                    post(view_payload(group), keep.part(),
+                         final and number == len(groups) - 1 and not left)
+                continue
             payloads, rest, need = [], None, layout.size
             if self.zero_copy and self.size == 1:
                 groups, rest = zero_copy_groups(cast_bucket(layout, tensors), device)
@@ -236,23 +430,12 @@ class ColocatedSender:
                                 else flatten_into(buffers[slot], rest))
                 copies += 1
                 self.posts["packed"] += 1
-            sent += layout.size
             for number, payload in enumerate(payloads):
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()
-                entries = self._gather(serialize(payload))
-                waited = time.perf_counter()
-                self.seconds["pack"] += waited - start
-                self._settle(pending)  # the engine loads posts in order: one at a time
-                start = time.perf_counter()
-                self.seconds["engine"] += start - waited
-                pending = None
-                if self._http is not None:
-                    last = index == len(plan) - 1 and number == len(payloads) - 1
-                    body = {"serialized_named_tensors": entries,
-                            "load_format": FLATTENED_BUCKET, "flush_cache": last,
-                            "abort_all_requests": False, "weight_version": version if last else None}
-                    pending = _Post(self._http, self.url, body)
+                post(payload, None, final and number == len(payloads) - 1)
+        if keep is not None and left:
+            keep.buffer = torch.empty(flattened_size(left), dtype=torch.uint8, device=device)
+            post(flatten_into(keep.buffer, left), keep.part(), True)
+            self.posts["packed"] += 1
         waited = time.perf_counter()
         self.seconds["pack"] += waited - start
         self._settle(pending)

@@ -89,3 +89,47 @@ def test_a_large_model_arrives_bit_exact_over_cuda_ipc(model_dir, tmp_path, layo
     finally:
         dist.destroy_process_group()
         server.stop()
+
+
+
+def test_the_engine_replays_the_views_it_kept_over_cuda_ipc(model_dir, tmp_path):
+    """The persistent colocated sync on the GPU: the first sync registers the buffer's views
+    (the engine keeps the CUDA IPC mapping) and a buffer of the q/k/v; later syncs refill that
+    buffer and post one replay.
+    The model doubled in place reaches the engine (the checker's compare fails); halved again
+    it compares equal to the snapshot, bit for bit."""
+    from megarl.weights.sglang_sender import Persist
+
+    (server,) = launch_local_engines(str(model_dir), 1, device="cuda", log_dir=tmp_path,
+                                     extra_args=["--dtype", "bfloat16"], ready_timeout_s=300)
+    try:
+        snapshot, reset = checker(server.url, "snapshot", "reset_tensors")
+        assert snapshot[0] and reset[0]
+        named = one_buffer([(n, t.to("cuda", torch.bfloat16))
+                            for n, t in iter_safetensors(model_dir)])
+        qkv = [(n, t) for n, t in named
+               if n.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight"))]
+        storage = next(t for n, t in named if n.endswith("norm.weight")).untyped_storage()
+        buffer = torch.empty(0, dtype=torch.bfloat16, device="cuda").set_(
+            storage, 0, (storage.nbytes() // 2,), (1,))
+        token = (storage.data_ptr(), storage.nbytes())
+        persist = Persist(token, frozenset([token]), tuple(n for n, _ in qkv), lambda: iter(qkv))
+        plan = plan_buckets([(n, list(t.shape)) for n, t in named], "bfloat16", 256)
+        sender = ColocatedSender(0, 1, [server.url], 1)
+        assert sender.persistent_engine()
+        outcomes, posts = [], []
+        for version, scale in (("p-1", 1.0), ("p-2", 2.0), ("p-3", 0.5)):
+            with torch.no_grad():  # an update: every tensor changes in place
+                buffer.mul_(scale)
+                for _, tensor in qkv:
+                    tensor.mul_(scale)
+            sender.send(iter(named), plan, torch.device("cuda"), version, persist=persist)
+            posts.append(dict(sender.posts))
+            outcomes.append(checker(server.url, "compare")[0][0])
+        sender.close()
+        assert outcomes == [True, False, True], (outcomes, posts)
+        assert posts[0]["zero_copy"] > 0 and posts[0]["replayed"] == 0, posts
+        assert [p["replayed"] for p in posts[1:]] == [1, 1], posts
+        assert all(p["zero_copy"] == 0 and p["packed"] == 0 for p in posts[1:]), posts
+    finally:
+        server.stop()

@@ -37,14 +37,21 @@ def both_exports_on_rank(model_dir):
         return {p.untyped_storage().data_ptr() for c in model.chunks for p in c.parameters()}
 
     with torch.no_grad():
+        token_before_export = hf_export.view_token(model)
         recorded, reference = ours(), theirs()
         before = storages()
         recorded_views = sum(ptr in before for _, _, ptr in recorded)
         replayed = ours()
+        token = hf_export.view_token(model)
+        copies = [(n, t.clone()) for n, t in hf_export.export_hf_weights(model, copies_only=True)]
+        copy_names = hf_export.copy_names(model)
+        token_again = hf_export.view_token(model)
         for chunk in model.chunks:  # new memory, new values: what a reload and an update do
             for param in chunk.parameters():
                 param.data = param.data.clone() + 0.5
         moved, moved_reference = ours(), theirs()
+        moved_token = hf_export.view_token(model)
+    by_name = dict(reference)
     plans = [hf_export._PLANS.get(hf_export.unwrap_chunk(c)) for c in model.chunks]
     return {
         "names": [n for n, _, _ in recorded],
@@ -59,6 +66,13 @@ def both_exports_on_rank(model_dir):
         "replayed_views": sum(ptr in before for _, _, ptr in replayed),
         "moved_views": sum(ptr in storages() for _, _, ptr in moved),
         "planned_views": sum(len(e.views or ()) for plan in plans for e in plan or ()),
+        "token_before_export": token_before_export,
+        "token_stable": token is not None and token == token_again,
+        "token_moved": moved_token != token and moved_token is not None,
+        "copies": [n for n, _ in copies],
+        "copy_names": copy_names,
+        "not_views": [n for n, _, ptr in recorded if ptr not in before],
+        "copies_different": [n for n, t in copies if not torch.equal(t, by_name[n])],
     }
 
 
@@ -75,3 +89,8 @@ def test_one_rank_export_equals_mbridge(pool1, tiny_models, name):
     assert r["replayed_different"] == [] and r["replayed_views"] == r["views"]
     assert r["moved_different"] == [] and r["moved_views"] == r["views"]
     assert r["moved_changed"] is False
+    # the persistent sync's part: the tensors that are not views, alone, equal to mbridge's;
+    # the token exists once every chunk is planned and changes when the parameters move
+    assert r["token_before_export"] is None and r["token_stable"] and r["token_moved"]
+    assert r["copies"] == r["copy_names"] == r["not_views"]
+    assert r["copies_different"] == []

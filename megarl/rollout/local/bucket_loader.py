@@ -211,27 +211,44 @@ class BucketLoader:
         theirs, if :meth:`plan` gave it already) into the weights; returns how many records it
         held. Raises ``ValueError`` before writing anything when a record cannot be written."""
         plan = plan or self.plan(records)
-        flat = payload["flattened_tensor"]
-        lives = [self.weights.live(name) for name, _, _ in plan.lives]
-        if plan.ordered or any(
-                live.numel() != numel or not live.is_contiguous()
-                for live, (_, numel, _) in zip(lives, plan.lives)):
+        dsts = self.destinations(plan)
+        if dsts is None:
             return self.weights.load_many(unflatten(payload))
+        srcs = self.sources(plan, payload)
+        if srcs:
+            torch._foreach_copy_(dsts, srcs)
+        self.weights.mark_written(plan.names)
+        return len(plan.names)
+
+    def sources(self, plan: LoadPlan, payload: dict[str, Any]) -> list[torch.Tensor]:
+        """The source of each of ``plan``'s copies: views of the payload's flat tensor (a kept
+        payload's stay valid from sync to sync). Raises ``ValueError`` when its records run
+        past the flat tensor."""
+        flat = payload["flattened_tensor"]
         end = max((run[1] for run in plan.runs), default=0)
         if end > flat.numel():
             raise ValueError(f"the flat tensor has {flat.numel()} bytes; its records end at "
                              f"byte {end}")
-        srcs: list[torch.Tensor] = []
+        pieces: list[torch.Tensor] = []
         for start, end, dtype, sizes in plan.runs:
             piece = flat[start:end]
             if piece.storage_offset() % dtype.itemsize:  # misaligned: SGLang itself would fail
                 piece = piece.clone()
-            srcs.extend(piece.view(dtype).split(sizes))
-        dsts: list[torch.Tensor] = []
+            pieces.extend(piece.view(dtype).split(sizes))
+        return [pieces[i] for i in plan.src_pick]
+
+    def destinations(self, plan: LoadPlan) -> list[torch.Tensor] | None:
+        """The destination of each of ``plan``'s copies in the live weights now, or None when
+        they must be loaded one tensor at a time (records that overlap, a parameter that
+        changed size or is not contiguous). Never kept: a view would keep a parameter's memory
+        alive after the engine released it."""
+        if plan.ordered:
+            return None
+        lives = [self.weights.live(name) for name, _, _ in plan.lives]
+        if any(live.numel() != numel or not live.is_contiguous()
+               for live, (_, numel, _) in zip(lives, plan.lives)):
+            return None
+        pieces: list[torch.Tensor] = []
         for live, (_, _, sizes) in zip(lives, plan.lives):
-            dsts.extend(live.view(-1).split(sizes))
-        if plan.src_pick:
-            torch._foreach_copy_([dsts[i] for i in plan.dst_pick],
-                                 [srcs[i] for i in plan.src_pick])
-        self.weights.mark_written(plan.names)
-        return len(plan.names)
+            pieces.extend(live.view(-1).split(sizes))
+        return [pieces[i] for i in plan.dst_pick]

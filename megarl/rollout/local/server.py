@@ -10,8 +10,7 @@ SGLang would reject while validating its body (malformed JSON, a missing field) 
 A ``/resume_memory_occupation`` that runs out of device memory gets 500 with the same body,
 whose message says why: out of memory, the bytes asked, the bytes free on the device and the
 processes holding the rest (real SGLang's scheduler dies instead, and only its log says why).
-``POST /megarl/weights`` also hosts megarl's own checkpoint-engine protocol
-(:mod:`megarl.rollout.local.checkpoint_engine`).
+``POST /megarl/weights`` hosts megarl's checkpoint engine (:mod:`~.checkpoint_engine`).
 
 Security: ``/update_weights_from_tensor`` unpickles its payload, as SGLang does (and the ``ipc``
 transport maps shared memory named by the caller), so the port must not face untrusted clients.
@@ -373,7 +372,8 @@ def _weight_routes(app: FastAPI, state: ServerState) -> None:
     async def from_tensor(request: Request) -> JSONResponse:
         body = await _body(request)
         args = (_field(body, "serialized_named_tensors", list), body.get("load_format"),
-                body.get("weight_version"), bool(body.get("abort_all_requests", False)))
+                body.get("weight_version"), bool(body.get("abort_all_requests", False)),
+                body.get("megarl_keep"), body.get("megarl_replay"))  # weight_updates' programs
         return _outcome(*await asyncio.to_thread(receiver.from_serialized, *args))
 
     @app.post("/update_weights_from_disk")

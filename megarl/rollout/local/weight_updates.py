@@ -14,12 +14,18 @@ from __future__ import annotations
 import functools
 import pickle
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megarl.rollout.local.bucket_loader import BucketLoader, BucketRecords, bucket_records
+from megarl.rollout.local.bucket_loader import (
+    BucketLoader,
+    BucketRecords,
+    LoadPlan,
+    bucket_records,
+)
 from megarl.rollout.local.engine import LocalEngine
 from megarl.rollout.local.weights import (
     WeightsChecker,
@@ -35,6 +41,63 @@ from megarl.weights.flattened import FLATTENED_BUCKET, bucket_metadata, deserial
 Outcome = tuple[bool, str]
 
 
+class Programs:
+    """Payloads an engine keeps to copy in again at later syncs (megarl's colocated sender).
+
+    A colocated train rank's parameters live in the same GPU memory from sync to sync, and a
+    ``flattened_bucket`` whose flat tensor is a view of that memory (opened through CUDA IPC)
+    can be read again at the next sync: the sender then sends no views at all, only what its
+    export makes afresh (a split QKV), with ``megarl_replay`` naming the program. ``megarl_keep``
+    (``{"program": name, "part": k}``) keeps a payload as part k of a program; part 0 starts
+    it anew (a sender registers again whenever its memory moved) and drops every other
+    program, so an engine holds the memory of one sender's registration at most. Only CUDA
+    and CPU shared-memory payloads can be kept: an inline CPU payload's bytes are a copy made
+    when it was sent. These are
+    megarl extensions: SGLang ignores neither field, so the sender uses them only with an
+    engine whose ``/get_server_info`` says ``version: megarl-embedded``.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[str, list[KeptPart]] = {}
+
+    def parts(self, name: Any) -> list[KeptPart] | None:
+        """The kept parts of program ``name``, in order, or None when none is held."""
+        return list(self._held[name]) if isinstance(name, str) and name in self._held else None
+
+    def check(self, mark: Any, payload: dict[str, Any] | None) -> None:
+        """Raise ``ValueError`` unless ``mark`` is ``{"program": str, "part": int}`` and
+        ``payload`` can be kept as that part (the next part of the program, on CUDA)."""
+        if (not isinstance(mark, dict) or not isinstance(mark.get("program"), str)
+                or not isinstance(mark.get("part"), int) or isinstance(mark.get("part"), bool)):
+            raise ValueError(  # noqa: TRY004 - answered as a failed update, as SGLang does
+                f"megarl_keep: {mark!r} must be {{'program': str, 'part': int}}")
+        flat = None if payload is None else payload["flattened_tensor"]
+        if flat is None or not (flat.is_cuda or flat.untyped_storage().is_shared()):
+            raise ValueError("megarl_keep: only a payload in the sender's memory can be kept "
+                             "(CUDA IPC or CPU shared memory); its bytes were copied when "
+                             "sent: send it without megarl_keep")
+        have = 0 if mark["part"] == 0 else len(self._held.get(mark["program"], []))
+        if mark["part"] != have:
+            raise ValueError(f"megarl_keep: part {mark['part']} of {mark['program']!r} follows "
+                             f"{have} kept parts; register from part 0 again")
+
+    def keep(self, mark: dict[str, Any], part: KeptPart) -> None:
+        """Keep a checked payload (after it loaded) as ``mark`` says."""
+        if mark["part"] == 0:
+            self._held = {mark["program"]: []}
+        self._held[mark["program"]].append(part)
+
+
+@dataclass(frozen=True)
+class KeptPart:
+    """A kept payload, its copy plan and the sources of its copies (views of its flat tensor,
+    valid while it is kept)."""
+
+    payload: dict[str, Any]
+    plan: LoadPlan
+    sources: list[torch.Tensor]
+
+
 class WeightReceiver:
     """Weight-update groups and loaders for one embedded engine."""
 
@@ -44,6 +107,7 @@ class WeightReceiver:
         self.checker = WeightsChecker(self.weights)
         self.loader = BucketLoader(self.weights)
         """Flattened buckets' copy plans, kept from sync to sync (used on the engine thread)."""
+        self.programs = Programs()
         self.groups: dict[str, dist.ProcessGroup] = {}
 
     def _on_engine(self, fn: Any) -> Any:
@@ -62,15 +126,43 @@ class WeightReceiver:
         return self._update(lambda: functools.partial(self.weights.load_many, named),
                             weight_version, abort_all)
 
-    def _apply_bucket(self, records: BucketRecords, payload: dict[str, Any],
-                      weight_version: str | None, abort_all: bool = False) -> Outcome:
-        """Load a ``flattened_bucket`` payload (its ``records`` read already) through the
-        :class:`BucketLoader`, every record checked before requests are aborted."""
+    def _apply_buckets(self, parts: Sequence[tuple[BucketRecords, dict[str, Any]]],
+                       weight_version: str | None, abort_all: bool = False,
+                       kept: Sequence[KeptPart] = ()) -> Outcome:
+        """Load ``flattened_bucket`` payloads (their records read already) through the
+        :class:`BucketLoader` in one engine-thread call, every record checked before requests
+        are aborted or anything is written; ``kept`` parts (planned already) first, all their
+        copies in one ``torch._foreach_copy_``."""
         def prepare() -> Callable[[], int]:
-            plan = self.loader.plan(records)
-            return functools.partial(self.loader.load, records, payload, plan)
+            plans = [self.loader.plan(records) for records, _ in parts]
+
+            @torch.no_grad()
+            def write() -> int:
+                dsts: list[torch.Tensor] = []
+                srcs: list[torch.Tensor] = []
+                count = 0
+                for part in kept:
+                    found = self.loader.destinations(part.plan)
+                    if found is None:  # a parameter changed: one tensor at a time
+                        count += self.loader.load(bucket_records(part.payload["metadata"]),
+                                                  part.payload, part.plan)
+                        continue
+                    dsts += found
+                    srcs += part.sources
+                    self.weights.mark_written(part.plan.names)
+                    count += len(part.plan.names)
+                if dsts:
+                    torch._foreach_copy_(dsts, srcs)
+                return count + sum(self.loader.load(records, payload, plan)
+                                   for (records, payload), plan in zip(parts, plans))
+            return write
 
         return self._update(prepare, weight_version, abort_all)
+
+    def _apply_bucket(self, records: BucketRecords, payload: dict[str, Any],
+                      weight_version: str | None, abort_all: bool = False) -> Outcome:
+        """Load one ``flattened_bucket`` payload (see :meth:`_apply_buckets`)."""
+        return self._apply_buckets([(records, payload)], weight_version, abort_all)
 
     def _update(self, prepare: Callable[[], Callable[[], int]], weight_version: str | None,
                 abort_all: bool) -> Outcome:
@@ -159,28 +251,50 @@ class WeightReceiver:
         return self._apply(received, weight_version, abort_all)
 
     def from_serialized(self, serialized: Sequence[str], load_format: str | None,
-                        weight_version: str | None, abort_all: bool) -> Outcome:
+                        weight_version: str | None, abort_all: bool,
+                        keep: Any = None, replay: Any = None) -> Outcome:
         """Load what SGLang's ``/update_weights_from_tensor`` carries: one serialized entry per
         engine TP rank (this engine is TP rank 0: entry 0), read through the allow-list; a
         ``flattened_bucket`` payload or a list of (name, tensor). CUDA tensors are the sender's
-        memory opened through CUDA IPC and copied straight into the weights."""
-        if not serialized:
+        memory opened through CUDA IPC and copied straight into the weights. megarl's own
+        fields (:class:`Programs`): ``keep`` keeps the payload's views as a program part,
+        ``replay`` copies a kept program in again first (then ``serialized`` may be empty)."""
+        if not serialized and replay is None:
             return False, "serialized_named_tensors: empty; give one entry per engine TP rank"
         if load_format not in (None, "direct", FLATTENED_BUCKET):
             return False, (f"load_format {load_format!r} is not supported; use null, direct or "
                            f"{FLATTENED_BUCKET}")
+        if (keep is not None or replay is not None) and load_format != FLATTENED_BUCKET:
+            return False, f"megarl_keep and megarl_replay need load_format {FLATTENED_BUCKET}"
         try:
-            payload = deserialize(serialized[0])
-            if load_format == FLATTENED_BUCKET:
+            payload = deserialize(serialized[0]) if serialized else None
+            if load_format == FLATTENED_BUCKET and payload is not None:
                 records = bucket_records(payload["metadata"])
-            else:
+            elif payload is not None:
                 named = [(str(n), t) for n, t in payload]
         except (ValueError, TypeError, KeyError, AttributeError, pickle.UnpicklingError,
                 RuntimeError) as err:
             return False, f"serialized_named_tensors[0] could not be read: {err}"
-        if load_format == FLATTENED_BUCKET:
-            return self._apply_bucket(records, payload, weight_version, abort_all)
-        return self._apply(named, weight_version, abort_all)
+        if load_format != FLATTENED_BUCKET:
+            return self._apply(named, weight_version, abort_all)
+        parts = [] if payload is None else [(records, payload)]
+        kept: list[KeptPart] = []
+        if replay is not None:
+            held = self.programs.parts(replay)
+            if held is None:
+                return False, (f"megarl_replay: program {replay!r} is not held by this engine "
+                               "(restarted?); send its views again with megarl_keep")
+            kept = held
+        if keep is not None:
+            try:
+                self.programs.check(keep, payload)
+            except ValueError as err:
+                return False, str(err)
+        outcome = self._apply_buckets(parts, weight_version, abort_all, kept)
+        if keep is not None and outcome[0]:
+            plan = self.loader.plan(records)
+            self.programs.keep(keep, KeptPart(payload, plan, self.loader.sources(plan, payload)))
+        return outcome
 
     def from_disk(self, model_path: str, weight_version: str | None,
                   abort_all: bool) -> Outcome:
