@@ -52,22 +52,34 @@ def export_hf_weights(model: ActorModel, copies_only: bool = False
 
 
 def view_token(model: ActorModel) -> tuple | None:
-    """What the views of the export depend on: each chunk's recorded plan and the storages of
-    its parameters and buffers (an offload's reload or a rebuilt model changes it); None while
-    some chunk has no plan yet (before its first export) or the layout gathers shards. Equal
-    tokens mean :func:`export_hf_weights` yields views of the same memory, at the same places."""
+    """What the views of the export depend on: each chunk's recorded plan and where each of
+    its parameters and buffers lies (an offload's reload or a rebuilt model changes it); None
+    while some chunk has no plan yet (before its first export) or the layout gathers shards.
+    Equal tokens mean :func:`export_hf_weights` yields views of the same memory, at the same
+    places (``copies_only`` relies on it). Its second item is the set of (data pointer, bytes)
+    of their storages."""
     if not one_rank_layout(model.bridge):
         return None
-    plans, storages = [], set()
+    plans, pointers = [], []
     for chunk in model.chunks:
         module = unwrap_chunk(chunk)
         plan = _PLANS.get(module)
         if plan is None:
             return None
         plans.append(id(plan))
-        for tensor in itertools.chain(module.parameters(), module.buffers()):
-            storages.add((tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()))
-    return tuple(plans), frozenset(storages)
+        pointers.extend(t.data_ptr() for t in itertools.chain(module.parameters(),
+                                                              module.buffers()))
+    key = (tuple(plans), tuple(pointers))
+    if _TOKEN[0] != key:  # the storages only when something moved (a few µs a parameter)
+        storages = {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                    for chunk in model.chunks for t in itertools.chain(
+                        unwrap_chunk(chunk).parameters(), unwrap_chunk(chunk).buffers())}
+        _TOKEN[:] = [key, frozenset(storages)]
+    return key[0], _TOKEN[1], key[1]
+
+
+_TOKEN: list = [None, None]
+"""The last (plans, pointers) :func:`view_token` saw and its storages."""
 
 
 def copy_names(model: ActorModel) -> list[str]:
@@ -104,11 +116,19 @@ def _chunk_tensors(bridge, module: torch.nn.Module, copies_only: bool = False
     HF tensors are views of their parameter (all but a split QKV: embeddings, norms, projections,
     each expert's gate and up halves); later exports rebuild those views with ``as_strided`` of
     the tensor ``named_parameters`` yields then (a LoRA merge yields a new one) and call mbridge
-    only for the rest. ``copies_only`` skips the views (it needs the recorded plan)."""
-    params = dict(module.named_parameters())  # what it yields now (LoRA merges through it)
+    only for the rest. ``copies_only`` yields only the rest, from the recorded plan, without
+    looking at the views' parameters (:func:`view_token` tells whether those moved)."""
     plan = _PLANS.get(module)
-    if copies_only and plan is None:
-        raise ValueError("copies_only: export every tensor once first (no plan is recorded)")
+    if copies_only:  # the views are not looked at: view_token says whether they moved
+        if plan is None:
+            raise ValueError("copies_only: export every tensor once first (no plan is recorded)")
+        for entry in plan:
+            if entry.views is None:
+                tensor = (module.get_buffer(entry.name) if entry.buffer
+                          else module.get_parameter(entry.name))
+                yield from zip(*bridge._weight_to_hf_format(entry.global_name, tensor))
+        return
+    params = dict(module.named_parameters())  # what it yields now (LoRA merges through it)
     if plan is None or [e.name for e in plan if not e.buffer] != list(params):
         plan = []
         yield from _recorded(bridge, module, plan)
@@ -120,8 +140,6 @@ def _chunk_tensors(bridge, module: torch.nn.Module, copies_only: bool = False
         base = tensor.detach()
         if entry.views is None or (base.shape, base.stride()) != entry.layout:
             yield from zip(*bridge._weight_to_hf_format(entry.global_name, tensor))
-            continue
-        if copies_only:
             continue
         offset = base.storage_offset()
         for name, size, stride, rel in entry.views:
