@@ -69,17 +69,10 @@ class KVAdmission:
         ``page`` tokens; 0 without pages) of ``rows``, in one pass (admission counts every
         running row each step it admits)."""
         longest = slots = 0
-        ratio = self.ratio
         for row in rows:
-            final = row.prompt_length + row.max_new_tokens
-            longest = max(longest, final)
-            if not page:
-                continue
-            if row.stop_ids:
-                drawn = len(row.output_ids)
-                rest = min(row.max_new_tokens - drawn, CLIP_REST)
-                final = row.prompt_length + drawn + min(rest, math.ceil(rest * ratio))
-            slots += -(-final // page) * page
+            longest = max(longest, final_length(row))
+            if page:
+                slots += -(-self.expected_length(row) // page) * page
         return longest, slots
 
     def decoded(self) -> None:

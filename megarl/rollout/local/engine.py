@@ -17,8 +17,8 @@ prompts back and halves the prefill budget; the running rows and the KV pool sta
 step retracts the running rows with their tokens (as ``/pause_generation`` ``retract`` does),
 frees the KV cache and decode graphs, shrinks the KV budget to three quarters of what the cache
 held (the prefill budget halves if a prefill failed), and queues the rows again. The budgets
-come back when the KV cache is next released; :data:`~megarl.rollout.local.engine_memory.OOM_RETRIES` failures in a row fail the
-requests.
+come back when the KV cache is next released;
+:data:`~megarl.rollout.local.engine_memory.OOM_RETRIES` failures in a row fail the requests.
 
 Everything that touches the model (generation, weight loads, aborts, pause modes) runs on the
 engine thread between steps (other threads hand it functions: :meth:`LocalEngine.call`).
