@@ -127,7 +127,11 @@ class CheckpointEngineConfig(Section):
     backend: Literal["nccl", "nixl", "ipc", "disk", "auto"] = Field("auto", description=(
         "transport: nccl (gloo on CPU; separate pools only on GPUs), nixl, ipc (colocated only: "
         "SGLang's update_weights_from_tensor with CUDA IPC handles of flattened buckets, bytes "
-        "inline on CPU), disk (shared file system); auto = ipc when colocated, else nccl. "
+        "inline on CPU; with megarl's embedded engine of one GPU, an actor on one model-parallel "
+        "rank, no LoRA and no `actor.offload.param_offload`, the engine keeps the actor's "
+        "parameter memory after the first syncs and each later sync is one replay post: "
+        "`checkpoint_engine/replayed`), disk (shared file system); auto = ipc when colocated, "
+        "else nccl. "
         "`megarl train` streams over ipc and nccl; nixl/disk run in `megarl bench weight-sync`"))
     bucket_size_mb: int = Field(2048, ge=1, description=(
         "size of one streamed bucket (verl `update_weights_bucket_megabytes`); each sending rank "
