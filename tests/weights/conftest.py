@@ -24,3 +24,15 @@ def engines() -> Iterator[EnginePair]:
         yield pair
     finally:
         pair.close()
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two tiny MoE models of one shape and different weights: model A serves, model B is sent
+    (the HTTP weight-update tests)."""
+    from megarl.data.tiny_model import make_tiny_model
+
+    root = tmp_path_factory.mktemp("models")
+    a = make_tiny_model(root / "a", arch="qwen3_moe", seed=0, with_tokenizer=False)
+    b = make_tiny_model(root / "b", arch="qwen3_moe", seed=1, with_tokenizer=False)
+    return a, b

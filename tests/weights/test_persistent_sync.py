@@ -13,17 +13,15 @@ holds equals the actor's, bit for bit.
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
+from weights_harness import engine_tensors
 
-from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.local.weights import iter_safetensors
-from megarl.rollout.sglang.client import SGLangClient
 from megarl.weights.flattened import FLATTENED_BUCKET, serialize, view_payload
 from megarl.weights.sglang_sender import (
     EMBEDDED_VERSION,
@@ -36,14 +34,6 @@ from megarl.weights.sglang_sender import (
 
 FRESH = ("self_attn.q_proj.weight", "self_attn.k_proj.weight")
 """Suffixes of the tensors this test's export makes afresh at every sync (a split QKV)."""
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("persist")
-    a = make_tiny_model(root / "a", arch="qwen3_moe", seed=0, with_tokenizer=False)
-    b = make_tiny_model(root / "b", arch="qwen3_moe", seed=1, with_tokenizer=False)
-    return a, b
 
 
 @pytest.fixture(scope="module")
@@ -100,21 +90,8 @@ class Actor:
         return {n: self.views[n].clone() for n in self.names}
 
 
-def held(url: str, names: list[str]) -> tuple[dict[str, torch.Tensor], str | None]:
-    async def read():
-        client = SGLangClient([url])
-        try:
-            values = {n: torch.tensor((await client.get_weights_by_name(n, 1 << 20))[0])
-                      for n in names}
-            return values, (await client.get_weight_version())[0]
-        finally:
-            await client.close()
-
-    return asyncio.run(read())
-
-
 def assert_engine_holds(url: str, actor: Actor, version: str) -> None:
-    values, got = held(url, actor.names)
+    values, got = engine_tensors(url, actor.names)
     assert got == version
     for name, tensor in actor.expected().items():
         assert torch.equal(values[name], tensor), name

@@ -10,17 +10,13 @@ sent to them, bit for bit.
 
 from __future__ import annotations
 
-import asyncio
-from pathlib import Path
-
 import pytest
 import torch
 from dist_utils import run_on_ranks
+from weights_harness import engine_tensors
 
-from megarl.data.tiny_model import make_tiny_model
 from megarl.rollout.local.launch import launch_local_engines
 from megarl.rollout.local.weights import iter_safetensors
-from megarl.rollout.sglang.client import SGLangClient
 
 
 def one_buffer(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -64,34 +60,12 @@ def send_on_rank(model_dir: str, urls: list[str], gpus_per_engine: int, scale: f
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("sender")
-    a = make_tiny_model(root / "a", arch="qwen3_moe", seed=0, with_tokenizer=False)
-    b = make_tiny_model(root / "b", arch="qwen3_moe", seed=1, with_tokenizer=False)
-    return a, b
-
-
-@pytest.fixture(scope="module")
 def servers(models, tmp_path_factory):
     started = launch_local_engines(str(models[0]), 2, num_threads=1,
                                    log_dir=tmp_path_factory.mktemp("logs"), ready_timeout_s=120)
     yield started
     for server in started:
         server.stop()
-
-
-def engine_tensors(url: str, names: list[str]) -> tuple[dict[str, torch.Tensor], str | None]:
-    """Every named weight an engine holds (whole), and its weight version."""
-    async def read():
-        client = SGLangClient([url])
-        try:
-            values = {n: torch.tensor((await client.get_weights_by_name(n, 1 << 20))[0])
-                      for n in names}
-            return values, (await client.get_weight_version())[0]
-        finally:
-            await client.close()
-
-    return asyncio.run(read())
 
 
 @pytest.mark.parametrize("gpus_per_engine,in_one_buffer", [(1, False), (2, False), (1, True),

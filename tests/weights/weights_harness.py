@@ -5,16 +5,18 @@
 messages over a pipe, plus two test-only ones: ``setup`` (replace the state dict with zeros of
 the given specs) and ``dump`` (send the state dict, or the named tensors of it, back). Every engine process first joins a
 default process group of its own, as an SGLang engine has one, so the weight-update group is
-shown to live next to it.
+shown to live next to it. :func:`engine_tensors` reads what an embedded engine holds.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import tempfile
 from typing import Any
 
+import torch
 import torch.multiprocessing as mp
 
 from megarl.weights import TensorSpec, dtype_name
@@ -101,3 +103,19 @@ class EnginePair:
                 if proc.is_alive():
                     proc.kill()
 
+
+def engine_tensors(url: str, names: list[str]) -> tuple[dict[str, torch.Tensor], str | None]:
+    """Every named weight an embedded engine at ``url`` holds (whole, as float32), and its
+    weight version, read over HTTP."""
+    from megarl.rollout.sglang.client import SGLangClient
+
+    async def read():
+        client = SGLangClient([url])
+        try:
+            values = {n: torch.tensor((await client.get_weights_by_name(n, 1 << 20))[0])
+                      for n in names}
+            return values, (await client.get_weight_version())[0]
+        finally:
+            await client.close()
+
+    return asyncio.run(read())
