@@ -93,6 +93,7 @@ class ActorWorker(Worker):
         self.weight_group: dist.ProcessGroup | None = None
         self._colocated: tuple[Any, ColocatedSender] | None = None
         self._copy_names: tuple[Any, tuple[str, ...]] | None = None
+        self._plan: list[BucketSpec] | None = None
         """(view token, names of the export's fresh tensors) for the persistent sync."""
         self.offloader = StateOffloader(self.actor.model.chunks, self.actor.optimizer)
         self.ref_offloader = StateOffloader(self.ref.chunks if self.ref is not None else [])
@@ -393,14 +394,20 @@ class ActorWorker(Worker):
         group = self.weight_group if self.rank == 0 else None
         return broadcast_buckets(self._export(), plan, group, torch.device(self.device))
 
-    def send_weights_colocated(self, plan: list[BucketSpec], urls: list[str],
+    def send_weights_colocated(self, plan: list[BucketSpec] | None, urls: list[str],
                                gpus_per_engine: int, version: str, api_key: str | None,
                                timeout_s: float) -> dict[str, float]:
         """Export HF-named tensors (collective) and hand each bucket of ``plan`` to the engine
         sharing this rank's GPU through SGLang's ``/update_weights_from_tensor`` (CUDA IPC
         handles; inline bytes on CPU), or with an embedded engine as views it keeps from the
         first sync on (:meth:`_persist`). Returns the bytes this rank sent, the seconds spent
-        packing and waiting for the engine, and whether the engine replayed its kept views."""
+        packing and waiting for the engine, and whether the engine replayed its kept views.
+        ``plan`` None: the last one given (the driver sends it once)."""
+        if plan is not None:
+            self._plan = plan
+        elif self._plan is None:
+            raise RuntimeError("send_weights_colocated: no bucket plan was given to this rank")
+        plan = self._plan
         key = (tuple(urls), gpus_per_engine)
         if self._colocated is None or self._colocated[0] != key:
             if self._colocated is not None:

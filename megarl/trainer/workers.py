@@ -56,12 +56,10 @@ class Workers:
     dp_size: int
     dp_rank: list[int]
     """Data-parallel rank of each actor rank."""
-    reports: list[bool]
-    """Whether an actor rank returns results for its data-parallel group."""
+    reports: list[bool]  # whether an actor rank returns results for its data-parallel group
     num_rollout_gpus: int
     weight_sync: Callable[..., dict[str, float]]
-    """Push the actor's weights to every engine under a version string; returns its
-    ``checkpoint_engine/*`` metrics (bytes sent, and where the time went)."""
+    """Push the actor's weights to the engines under a version; its ``checkpoint_engine/*``."""
     started_ray: bool = False
     critic: CriticWorkers | None = None
     """The value model's workers (``algorithm.adv_estimator=gae``), on the train pool."""
@@ -247,12 +245,11 @@ def _adapter_sync(cfg: RunConfig, actor: Any, rollout: Any, client: SGLangClient
 def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_driver: bool,
                  device: str, client: SGLangClient | None = None
                  ) -> Callable[..., dict[str, float]]:
-    """The per-step sync function ``sync(version, restart=())``, over SGLang's protocol:
-    colocated engines (``checkpoint_engine.backend`` ipc) get ``/update_weights_from_tensor``
-    from the train ranks sharing their GPUs; separate pools (nccl; gloo on CPU) get
-    ``/update_weights_from_distributed`` while train rank 0 broadcasts each bucket. With
-    ``restart`` (engine indices the client marked down) those engines are restarted first (and
-    the broadcast group, which a dead member breaks, is formed again)."""
+    """The per-step sync ``sync(version, restart=())`` over SGLang's protocol: colocated engines
+    (backend ipc) get ``/update_weights_from_tensor`` from the train ranks on their GPUs;
+    separate pools (nccl; gloo on CPU) get ``/update_weights_from_distributed`` while train
+    rank 0 broadcasts each bucket. ``restart``: engines the client marked down, restarted first
+    (the broadcast group, which a dead member breaks, is formed again)."""
     if cfg.actor.lora.rank and cfg.actor.lora.sync == "adapter":
         return _adapter_sync(cfg, actor, rollout, client, urls, is_driver)
     dtype = cfg.rollout.dtype or cfg.model.dtype
@@ -261,12 +258,15 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
     plan = plan_buckets(actor.execute_all("weight_specs")[0], dtype,
                         cfg.checkpoint_engine.bucket_size_mb, cfg.rollout.quantization)
     if weight_sync_backend(cfg) == "ipc":
+        sent = []  # the plan goes to the ranks once (an MoE plan pickles in milliseconds)
+
         def sync_colocated(version: str, restart: list[int] | tuple[int, ...] = ()
                            ) -> dict[str, float]:
             if restart:
                 rollout.execute_all("restart", [urls[i] for i in restart], timeout)
-            ranks = actor.execute_all("send_weights_colocated", plan, urls, gpus,
-                                      version, cfg.rollout.api_key, timeout)
+            ranks = actor.execute_all("send_weights_colocated", None if sent else plan, urls,
+                                      gpus, version, cfg.rollout.api_key, timeout)
+            sent.append(True)
             return {"checkpoint_engine/bytes": sum(r["bytes"] for r in ranks),
                     "checkpoint_engine/pack_s": max(r["pack_s"] for r in ranks),
                     "checkpoint_engine/engine_wait_s": max(r["engine_s"] for r in ranks),
