@@ -128,11 +128,13 @@ class WeightReceiver:
 
     def _apply_buckets(self, parts: Sequence[tuple[BucketRecords, dict[str, Any]]],
                        weight_version: str | None, abort_all: bool = False,
-                       kept: Sequence[KeptPart] = ()) -> Outcome:
+                       kept: Sequence[KeptPart] = (),
+                       made: list[KeptPart] | None = None) -> Outcome:
         """Load ``flattened_bucket`` payloads (their records read already) through the
         :class:`BucketLoader` in one engine-thread call, every record checked before requests
         are aborted or anything is written; ``kept`` parts (planned already) first, all their
-        copies in one ``torch._foreach_copy_``."""
+        copies in one ``torch._foreach_copy_``. ``made``: gets the first payload as a
+        :class:`KeptPart` once it loaded (its plan and sources made on the engine thread)."""
         def prepare() -> Callable[[], int]:
             plans = [self.loader.plan(records) for records, _ in parts]
 
@@ -153,8 +155,13 @@ class WeightReceiver:
                     count += len(part.plan.names)
                 if dsts:
                     torch._foreach_copy_(dsts, srcs)
-                return count + sum(self.loader.load(records, payload, plan)
-                                   for (records, payload), plan in zip(parts, plans))
+                count += sum(self.loader.load(records, payload, plan)
+                             for (records, payload), plan in zip(parts, plans))
+                if made is not None and parts:
+                    payload = parts[0][1]
+                    made.append(KeptPart(payload, plans[0],
+                                         self.loader.sources(plans[0], payload)))
+                return count
             return write
 
         return self._update(prepare, weight_version, abort_all)
@@ -290,10 +297,11 @@ class WeightReceiver:
                 self.programs.check(keep, payload)
             except ValueError as err:
                 return False, str(err)
-        outcome = self._apply_buckets(parts, weight_version, abort_all, kept)
-        if keep is not None and outcome[0]:
-            plan = self.loader.plan(records)
-            self.programs.keep(keep, KeptPart(payload, plan, self.loader.sources(plan, payload)))
+        made: list[KeptPart] = []
+        outcome = self._apply_buckets(parts, weight_version, abort_all, kept,
+                                      made if keep is not None else None)
+        if made and outcome[0]:
+            self.programs.keep(keep, made[0])
         return outcome
 
     def from_disk(self, model_path: str, weight_version: str | None,
