@@ -42,6 +42,7 @@ from megarl.megatron.router_replay import replay_routes as replay_routes_in
 from megarl.megatron.settings import DTYPES, ActorSpec, LoraSettings
 from megarl.megatron.update import TrainSequence, train_step
 from megarl.memory import Peaks, free_cached_memory, phase_memory, settle_long_lived_objects
+from megarl.weights.buckets import dtype_name
 from megarl.weights.sglang_sender import (
     BucketSpec,
     ColocatedSender,
@@ -92,9 +93,11 @@ class ActorWorker(Worker):
             self.ref = self._build_model(dtype)
         self.weight_group: dist.ProcessGroup | None = None
         self._colocated: tuple[Any, ColocatedSender] | None = None
-        self._copy_names: tuple[Any, tuple[str, ...]] | None = None
+        self._copy_names: tuple[Any, tuple[str, ...] | None] | None = None
+        """((view token, id of the plan), names of the export's fresh tensors; None where the
+        plan casts or quantizes a tensor) for the persistent sync."""
         self._plan: list[BucketSpec] | None = None
-        """(view token, names of the export's fresh tensors) for the persistent sync."""
+        """The colocated sync's bucket plan (the driver sends it once)."""
         self.offloader = StateOffloader(self.actor.model.chunks, self.actor.optimizer)
         self.ref_offloader = StateOffloader(self.ref.chunks if self.ref is not None else [])
         self.memory_peaks: Peaks = {}
@@ -331,11 +334,12 @@ class ActorWorker(Worker):
             else:
                 yield from export_hf_weights(model, copies_only)
 
-    def _persist(self, sender: ColocatedSender) -> Persist | None:
+    def _persist(self, sender: ColocatedSender, plan: list[BucketSpec]) -> Persist | None:
         """What lets the engine keep this rank's views between syncs (the sender's
         ``persist``), or None where it cannot: LoRA's merged export makes every tensor afresh,
-        an offloaded parameter comes back elsewhere, an engine of several GPUs or a SGLang
-        server takes packed buckets only."""
+        an offloaded parameter comes back elsewhere, a plan that casts or quantizes a tensor
+        sends a new one every sync, an engine of several GPUs or a SGLang server takes packed
+        buckets only."""
         model = self.actor.model
         if (self.spec.lora.enabled or self.spec.offload.param_offload
                 or not sender.persistent_engine()):
@@ -343,8 +347,12 @@ class ActorWorker(Worker):
         token = view_token(model)
         if token is None:
             return None
-        if self._copy_names is None or self._copy_names[0] != token:
-            self._copy_names = (token, tuple(copy_names(model)))
+        if self._copy_names is None or self._copy_names[0] != (token, id(plan)):
+            dtypes = {name: dtype_name(t.dtype) for name, t in export_hf_weights(model)}
+            casts = any(dtypes.get(name) != dtype for bucket in plan for name, _, dtype in bucket)
+            self._copy_names = ((token, id(plan)), None if casts else tuple(copy_names(model)))
+        if self._copy_names[1] is None:
+            return None
         return Persist(token, token[1], self._copy_names[1],
                        lambda: self._export(copies_only=True))
 
@@ -417,7 +425,7 @@ class ActorWorker(Worker):
             self._colocated = (key, sender)
         sender = self._colocated[1]
         sent = sender.send(self._export(), plan, torch.device(self.device), version,
-                           persist=self._persist(sender))
+                           persist=self._persist(sender, plan))
         return {"bytes": float(sent), "replayed": float(sender.posts.get("replayed", 0)),
                 **{f"{k}_s": v for k, v in sender.seconds.items()}}
 

@@ -433,8 +433,12 @@ class ColocatedSender:
             for number, payload in enumerate(payloads):
                 post(payload, None, final and number == len(payloads) - 1)
         if keep is not None and left:
-            keep.buffer = torch.empty(flattened_size(left), dtype=torch.uint8, device=device)
-            post(flatten_into(keep.buffer, left), keep.part(), True)
+            buffer = torch.empty(flattened_size(left), dtype=torch.uint8, device=device)
+            # kept only when a replay refills it: otherwise the engine would hold it for good
+            held = [name for name, _ in left] == list(keep.persist.copy_names)
+            if held:
+                keep.buffer = buffer
+            post(flatten_into(buffer, left), keep.part() if held else None, True)
             self.posts["packed"] += 1
         waited = time.perf_counter()
         self.seconds["pack"] += waited - start
