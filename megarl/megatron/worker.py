@@ -426,7 +426,7 @@ class ActorWorker(Worker):
         sender = self._colocated[1]
         sent = sender.send(self._export(), plan, torch.device(self.device), version,
                            persist=self._persist(sender, plan))
-        return {"bytes": float(sent), "replayed": float(sender.posts.get("replayed", 0)),
+        return {"bytes": float(sent), "replayed": float(sender.posts["replayed"]),
                 **{f"{k}_s": v for k, v in sender.seconds.items()}}
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:

@@ -258,15 +258,15 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
     plan = plan_buckets(actor.execute_all("weight_specs")[0], dtype,
                         cfg.checkpoint_engine.bucket_size_mb, cfg.rollout.quantization)
     if weight_sync_backend(cfg) == "ipc":
-        sent = []  # the plan goes to the ranks once (an MoE plan pickles in milliseconds)
+        sent = [False]  # the plan goes to the ranks once (an MoE plan pickles in milliseconds)
 
         def sync_colocated(version: str, restart: list[int] | tuple[int, ...] = ()
                            ) -> dict[str, float]:
             if restart:
                 rollout.execute_all("restart", [urls[i] for i in restart], timeout)
-            ranks = actor.execute_all("send_weights_colocated", None if sent else plan, urls,
+            ranks = actor.execute_all("send_weights_colocated", None if sent[0] else plan, urls,
                                       gpus, version, cfg.rollout.api_key, timeout)
-            sent.append(True)
+            sent[0] = True
             return {"checkpoint_engine/bytes": sum(r["bytes"] for r in ranks),
                     "checkpoint_engine/pack_s": max(r["pack_s"] for r in ranks),
                     "checkpoint_engine/engine_wait_s": max(r["engine_s"] for r in ranks),

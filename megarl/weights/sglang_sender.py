@@ -31,10 +31,9 @@ was (:class:`Persist`'s token: the export's plan and the parameters' storages) a
 exports only the tensors made afresh (a split QKV) and packs them into the buffer the engine
 kept as the program's last part, then posts ``megarl_replay`` with no payload: the engine copies
 every kept part in again, in one ``torch._foreach_copy_``. A sync is then one post and one copy
-of the weights on the engine, whatever the tensor count. A changed
-token, a plan that changed or an engine that no longer holds the program (restarted) registers
-again in the same sync; an export whose fresh tensors are not exactly those the registration
-left to pack is never kept.
+of the weights on the engine, whatever the tensor count. A changed token, a plan that changed
+or an engine that no longer holds the program (restarted) registers again in the same sync; a
+registration whose leftover tensors are not exactly the export's fresh ones keeps no buffer.
 """
 
 from __future__ import annotations
@@ -218,6 +217,7 @@ class _Registration:
 
     def __init__(self, name: str, persist: Persist, builds: int) -> None:
         self.name, self.persist, self.builds = name, persist, builds
+        self.copy_names = set(persist.copy_names)
         self.parts = 0
         self.copies: list[tuple[str, torch.Size, torch.dtype]] = []
         self.buffer: torch.Tensor | None = None
@@ -227,8 +227,8 @@ class _Registration:
     def split(self, cast: list[tuple[str, torch.Tensor]], device: torch.device
               ) -> tuple[list[list[tuple[str, torch.Tensor]]], list[tuple[str, torch.Tensor]]]:
         """Groups of views of the actor's storages (each kept by the engine), and the rest."""
-        copy_names, storages = set(self.persist.copy_names), self.persist.storages
-        stable = [(name, t) for name, t in cast if name not in copy_names
+        storages = self.persist.storages
+        stable = [(name, t) for name, t in cast if name not in self.copy_names
                   and (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) in storages]
         groups, _ = zero_copy_groups(stable, device, min_tensors=1, shared=True)
         grouped = {name for group in groups for name, _ in group}

@@ -6,7 +6,9 @@ then one ``/update_weights_from_distributed`` per bucket), as serialized tensors
 Receiving happens on the caller's thread; the copy into the model happens on the engine thread
 between generation steps (:meth:`LocalEngine.call`), so no forward sees half a bucket. A
 ``flattened_bucket`` is copied by a :class:`~megarl.rollout.local.bucket_loader.BucketLoader`,
-which plans each distinct bucket once. Every method returns ``(success, message)`` like SGLang's endpoints.
+which plans each distinct bucket once; megarl's colocated sender may have the engine keep its
+payloads and copy them in again at later syncs (:class:`Programs`). Every method returns
+``(success, message)`` like SGLang's endpoints.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from megarl.rollout.weight_group import (
     open_weight_update_group,
     parse_dtype,
 )
-from megarl.weights.flattened import FLATTENED_BUCKET, bucket_metadata, deserialize
+from megarl.weights.flattened import FLATTENED_BUCKET, bucket_metadata, deserialize, unflatten
 
 Outcome = tuple[bool, str]
 
@@ -52,9 +54,8 @@ class Programs:
     it anew (a sender registers again whenever its memory moved) and drops every other
     program, so an engine holds the memory of one sender's registration at most. Only CUDA
     and CPU shared-memory payloads can be kept: an inline CPU payload's bytes are a copy made
-    when it was sent. These are
-    megarl extensions: SGLang ignores neither field, so the sender uses them only with an
-    engine whose ``/get_server_info`` says ``version: megarl-embedded``.
+    when it was sent. Both fields are megarl's own (SGLang knows neither), so the sender uses
+    them only with an engine whose ``/get_server_info`` says ``version: megarl-embedded``.
     """
 
     def __init__(self) -> None:
@@ -66,7 +67,8 @@ class Programs:
 
     def check(self, mark: Any, payload: dict[str, Any] | None) -> None:
         """Raise ``ValueError`` unless ``mark`` is ``{"program": str, "part": int}`` and
-        ``payload`` can be kept as that part (the next part of the program, on CUDA)."""
+        ``payload`` can be kept as that part (the next part of the program, in the sender's
+        memory)."""
         if (not isinstance(mark, dict) or not isinstance(mark.get("program"), str)
                 or not isinstance(mark.get("part"), int) or isinstance(mark.get("part"), bool)):
             raise ValueError(  # noqa: TRY004 - answered as a failed update, as SGLang does
@@ -146,8 +148,7 @@ class WeightReceiver:
                 for part in kept:
                     found = self.loader.destinations(part.plan)
                     if found is None:  # a parameter changed: one tensor at a time
-                        count += self.loader.load(bucket_records(part.payload["metadata"]),
-                                                  part.payload, part.plan)
+                        count += self.weights.load_many(unflatten(part.payload))
                         continue
                     dsts += found
                     srcs += part.sources

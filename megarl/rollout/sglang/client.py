@@ -129,7 +129,6 @@ class SGLangClient(EngineCalls):
         self.adapter = adapter or AdapterRef()
         self.stats = ClientStats(requests=[0] * len(self.urls))
         self.max_concurrency_per_engine = max_concurrency_per_engine
-        self._limit = max_concurrency_per_engine
         self._semaphores: list[asyncio.Semaphore] | None = None
         self._layouts: dict[int, RoutedExpertsLayout | None] = {}
         self._default_layout = routed_experts_layout
@@ -341,7 +340,7 @@ class SGLangClient(EngineCalls):
 
     def _semaphore(self, engine: int) -> asyncio.Semaphore:
         if self._semaphores is None:
-            self._semaphores = [asyncio.Semaphore(self._limit) for _ in self.urls]
+            self._semaphores = [asyncio.Semaphore(self.max_concurrency_per_engine) for _ in self.urls]
         return self._semaphores[engine]
 
     async def _layout(self, engine: int) -> RoutedExpertsLayout | None:
