@@ -71,6 +71,15 @@ SMOKE_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
+def shape_of(name: str, shapes: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A shape of this benchmark, or ``e2e_<shape>``: that of ``benchmarks/e2e_step.py``."""
+    if name.startswith("e2e_"):
+        from benchmarks.e2e_step import SHAPES as E2E_SHAPES
+
+        return E2E_SHAPES[name.removeprefix("e2e_")]
+    return shapes[name]
+
+
 def measure_ceilings(device: str) -> dict[str, float]:
     """Measured bf16 matmul rate (TFLOP/s, 8192^3 on random data) and device-to-device copy
     bandwidth (GB/s, bytes read + written) of this GPU."""
@@ -161,7 +170,7 @@ class MegatronStep:
     ``actor.cuda_graphs=true`` runs; ``"emulate"``: its buffers without CUDA graphs, CPU)."""
 
     def __init__(self, model_dir: Path, sequences: list[torch.Tensor], dtype: torch.dtype,
-                 graphs: bool | str = False) -> None:
+                 graphs: bool | str = False, hidden: bool = False) -> None:
         from megarl.megatron.cuda_graphs import GraphedChunk
         from megarl.megatron.logprobs import gpt_forward, make_micro_batches
         from megarl.megatron.model import build_actor_model
@@ -170,7 +179,9 @@ class MegatronStep:
         self.model = build_actor_model(model_dir, ParallelSizes(), dtype, spec="native")
         (self.batch,), _ = make_micro_batches(self.model, sequences, None)
         self.chunk = self.model.chunks[0].train()
-        self.forward: Callable[[Any], torch.Tensor] = lambda batch: gpt_forward(self.chunk, batch)
+        self.hidden = hidden  # the update's path: hidden states, log-probs a chunk at a time
+        self.forward: Callable[[Any], torch.Tensor] = lambda batch: gpt_forward(
+            self.chunk, batch, hidden=hidden)
         if graphs:  # one bucket of exactly this micro-batch
             self.forward = GraphedChunk(self.chunk, bucket_tokens=self.batch.num_tokens,
                                         emulate=graphs == "emulate")
@@ -198,11 +209,12 @@ class MegatronStep:
         return float((graphed - eager).detach().abs().max())
 
     def __call__(self) -> None:
-        from megarl.megatron.logprobs import logits_to_log_probs
+        from megarl.megatron.logprobs import token_log_probs
 
         self.chunk.zero_grad(set_to_none=True)
-        logits = self.forward(self.batch)
-        log_probs, _ = logits_to_log_probs(self.model, logits, self.batch.targets, 1.0)
+        output = self.forward(self.batch)
+        log_probs, _ = token_log_probs(self.model, output, self.batch.targets, 1.0,
+                                       hidden=self.hidden)
         loss = -log_probs.mean()
         loss.backward()
 
@@ -289,9 +301,12 @@ def run_shape(
         "megatron": lambda: MegatronStep(model_dir, sequences, dtype),
         "megatron_graphs": lambda: MegatronStep(
             model_dir, sequences, dtype, graphs=True if device == "cuda" else "emulate"),
+        "megatron_update": lambda: MegatronStep(model_dir, sequences, dtype, hidden=True),
     }
+    chosen = args.sides.split(",")
     if args.no_graphs:
-        del sides["megatron_graphs"]
+        chosen = [side for side in chosen if side != "megatron_graphs"]
+    sides = {side: build for side, build in sides.items() if side in chosen}
     flops = train_flops_per_token(cfg, args.seq_len // args.packed_seqs)
     out: dict[str, Any] = {
         "shape": name,
@@ -327,6 +342,8 @@ def run_shape(
         if device == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
+    if "hf_tokens_per_s" not in out or "megatron_tokens_per_s" not in out:
+        return out
     out["ratio"] = out["megatron_tokens_per_s"] / out["hf_tokens_per_s"]
     if "megatron_graphs_tokens_per_s" in out:
         out["ratio_graphs"] = out["megatron_graphs_tokens_per_s"] / out["hf_tokens_per_s"]
@@ -359,23 +376,29 @@ def print_table(rows: list[dict[str, Any]], ceilings: dict[str, float]) -> None:
             f"copy {ceilings['copy_gb_per_s']:.0f} GB/s"
         )
     for r in rows:
-        for side in ("hf", "megatron", "megatron_graphs"):
+        for side in ("hf", "megatron", "megatron_graphs", "megatron_update"):
             if f"{side}_tokens_per_s" not in r:
                 continue
             mfu = f"  MFU {r[side + '_mfu']:6.1%}" if f"{side}_mfu" in r else ""
             print(
-                f"{r['shape']:>6} {side:>15}: {r[side + '_tokens_per_s']:10.0f} tokens/s  "
+                f"{r['shape']:>6} {side:>16}: {r[side + '_tokens_per_s']:10.0f} tokens/s  "
                 f"{r[side + '_tflops']:7.1f} TFLOP/s{mfu}"
             )
         graphed = f", {r['ratio_graphs']:.2f}x with CUDA graphs" if "ratio_graphs" in r else ""
-        print(f"{r['shape']:>6}           ratio: {r['ratio']:.2f}x megatron/hf eager{graphed}")
+        if "ratio" in r:
+            print(f"{r['shape']:>6}           ratio: {r['ratio']:.2f}x megatron/hf eager{graphed}")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print a table and one JSON line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (CI)")
-    p.add_argument("--shapes", default="dense,moe", help="comma-separated: dense, moe")
+    p.add_argument("--shapes", default="dense,moe",
+                   help="comma-separated: dense, moe, or e2e_dense / e2e_moe (e2e_step.py's)")
+    p.add_argument("--sides", default="hf,megatron,megatron_graphs",
+                   help="comma-separated: hf, megatron (whole logits), megatron_graphs, "
+                        "megatron_update (the update's path: log-probs from the hidden states, "
+                        "a chunk of rows at a time)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch")
     p.add_argument(
         "--packed-seqs",
@@ -404,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.shapes.split(","):
-            rows.append(run_shape(name, shapes[name], args, Path(tmp), ceilings))
+            rows.append(run_shape(name, shape_of(name, shapes), args, Path(tmp), ceilings))
             from megarl.megatron.parallel import destroy_parallel
 
             destroy_parallel()

@@ -42,7 +42,10 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   architecture) keep what they do not offload. ``offload.*`` moves weights, grads or optimizer
   state to host memory while a role is idle (what a node then holds there:
   :mod:`megarl.config.host_estimates`), so it lowers the weight sync and the colocated
-  rollout, not the update itself. Colocated engines release their memory during the update.
+  rollout; in the update only ``optimizer_offload`` counts: that state comes back for each
+  optimizer step only, so the update's peak is the larger of the forwards and backwards
+  (weights + grads + activations + logits) and the step (weights + grads + optimizer).
+  Colocated engines release their memory during the update.
 * Log-prob forwards (old log-probs, reference): what the actor keeps while idle, its weights
   always, the idle roles, the activations of the largest layer for the forward's tokens
   (``*.log_prob_max_token_len_per_gpu``, else the update's budget) and on the last stage one
@@ -130,11 +133,26 @@ class UpdateMemory:
     other_roles: int
     tokens_per_micro_batch: int
     micro_batches_in_flight: float
+    optimizer_deferred: bool = False
+    """The optimizer state is on the GPU for the optimizer steps only (``offload.optimizer_offload``):
+    the forwards and backwards run without it."""
+
+    @property
+    def forward_backward(self) -> int:
+        """What the GPU holds at the peak of the forwards and backwards."""
+        optimizer = 0 if self.optimizer_deferred else self.state.optimizer
+        return (self.state.weights + self.state.grads + optimizer + self.activations
+                + self.logits + self.other_roles)
+
+    @property
+    def optimizer_step(self) -> int:
+        """What the GPU holds during an optimizer step (activations freed)."""
+        return self.state.total + self.other_roles
 
     @property
     def total(self) -> int:
         """Everything the GPU holds at the peak of the update."""
-        return self.state.total + self.activations + self.logits + self.other_roles
+        return max(self.forward_backward, self.optimizer_step)
 
 
 @dataclass(frozen=True)
@@ -442,7 +460,8 @@ def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: 
         candidates.append(UpdateMemory(
             stage=stage, pp=p.pp, state=state, activations=math.ceil(per_token * tokens * flight),
             logits=math.ceil(logits), other_roles=other_roles, tokens_per_micro_batch=tokens,
-            micro_batches_in_flight=flight))
+            micro_batches_in_flight=flight,
+            optimizer_deferred=bool(cfg.actor.offload.optimizer_offload)))
     return max(candidates, key=lambda m: m.total)
 
 

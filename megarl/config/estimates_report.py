@@ -39,10 +39,21 @@ def _update_rows(cfg: RunConfig, est: Estimates) -> list[tuple[str, str]]:
                                   if rc.granularity == "full" else "")
     sync_engine = (f" + engine weights {size(est.engine.weights)}"
                    if est.engine is not None and est.engine.colocated else "")
+    if u.optimizer_deferred:  # the optimizer state comes back for the steps only
+        update = [
+            ("actor update", (f"weights {size(st.weights)} + grads {size(st.grads)} + "
+                              f"activations {size(u.activations)} + logits {size(u.logits)}"
+                              f"{others} = {size(u.forward_backward)}")),
+            ("", (f"optimizer step: weights + grads + optimizer {size(st.optimizer)}{others} = "
+                  f"{size(u.optimizer_step)} (actor.offload.optimizer_offload); peak "
+                  f"{size(u.total)}"))]
+    else:
+        update = [
+            ("actor update", (f"weights {size(st.weights)} + grads {size(st.grads)} + optimizer "
+                              f"{size(st.optimizer)} + activations {size(u.activations)} + "
+                              f"logits {size(u.logits)}{others} = {size(u.total)}"))]
     return [
-        ("actor update", (f"weights {size(st.weights)} + grads {size(st.grads)} + optimizer "
-                          f"{size(st.optimizer)} + activations {size(u.activations)} + logits "
-                          f"{size(u.logits)}{others} = {size(u.total)}")),
+        *update,
         ("", (f"pipeline stage {u.stage + 1} of {u.pp}: {count(st.dense_params)} non-expert + "
               f"{count(st.expert_params)} expert params per GPU; {u.tokens_per_micro_batch} "
               f"tokens per micro-batch x {u.micro_batches_in_flight:g} in flight; recompute "
@@ -125,6 +136,13 @@ def _update_fix(cfg: RunConfig, u: UpdateMemory) -> tuple[tuple[str, ...], str]:
     }
     parts = {"activations": u.activations + u.logits, "state": u.state.total,
              "others": u.other_roles}
+    if u.optimizer_deferred and u.optimizer_step >= u.forward_backward:
+        parts["activations"] = 0  # the optimizer step is the peak: no activations then
+    elif not u.optimizer_deferred:
+        knobs["optimizer"] = (("actor.offload.optimizer_offload",), (
+            "set actor.offload.optimizer_offload=true (the optimizer state then comes to the GPU "
+            "for the optimizer steps only)"))
+        parts["optimizer"] = u.state.optimizer
     if not cfg.actor.use_distributed_optimizer:
         knobs["state"] = (("actor.use_distributed_optimizer",),
                           "set actor.use_distributed_optimizer=true to shard the optimizer over DP")
@@ -160,11 +178,14 @@ def check_memory_fits(ctx: Context) -> Iterator[Problem]:
     u = est.update
     if u.total > limit:
         fields, fix = _update_fix(cfg, u)
+        deferred = (f"; the optimizer state is on the GPU for the steps only: forwards and "
+                    f"backwards {size(u.forward_backward)}, a step {size(u.optimizer_step)}"
+                    if u.optimizer_deferred else "")
         yield warning(("resources.gpu_memory_gb", *fields), (
             f"an actor GPU (pipeline stage {u.stage + 1} of {u.pp}) needs ~{size(u.total)} in "
             f"the update (weights {size(u.state.weights)}, grads {size(u.state.grads)}, "
             f"optimizer {size(u.state.optimizer)}, activations {size(u.activations)}, logits "
-            f"{size(u.logits)}) but a GPU has {mem} GB"), fix)
+            f"{size(u.logits)}{deferred}) but a GPU has {mem} GB"), fix)
     lp = est.log_prob
     if lp.total > limit and lp.total > u.total:  # else the update's warning says it first
         budget = ("actor.log_prob_max_token_len_per_gpu" if cfg.actor.use_dynamic_bsz

@@ -108,8 +108,11 @@ class OffloadConfig(Section):
         "before every update, so nothing is copied); null = on when `rollout.colocate` is true "
         "(the engines use the memory while they generate), off with a separate rollout pool"))
     optimizer_offload: bool | None = Field(None, description=(
-        "keep fp32 main params and Adam states in host memory (pinned) between updates; null "
-        "= on when `rollout.colocate` is true, off with a separate rollout pool"))
+        "keep fp32 main params and Adam states in host memory (pinned) between updates and "
+        "through each update's forwards and backwards: they come to the GPU for the optimizer "
+        "steps only, so the activations have their memory (one more round trip per extra "
+        "mini-batch); null = on when `rollout.colocate` is true, off with a separate rollout "
+        "pool"))
 
 
 def is_loopback_host(host: str) -> bool:

@@ -20,7 +20,7 @@ data-parallel ranks like the actor's update.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -223,9 +223,11 @@ def critic_train_step(
     settings: ValueLossSettings,
     *,
     max_tokens_per_micro_batch: int | None = None,
+    before_step: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """One optimizer step on this DP rank's share of a mini-batch; returns ``critic/*`` metrics
-    (identical on every rank)."""
+    (identical on every rank). ``before_step`` runs between the last backward and the optimizer
+    step (the worker brings an offloaded optimizer state back there)."""
     cpu_compat.enable()
     model = critic.model
     batches, groups = make_micro_batches(
@@ -259,6 +261,8 @@ def critic_train_step(
     per_micro = _schedule(model, micro, forward_step, max(b.num_tokens for b in batches),
                           forward_only=False)
     sums = _reduce_metrics(per_micro, device)
+    if before_step is not None:
+        before_step()
     result = critic.step(loss_is_finite=math.isfinite(sums["vf_loss"]))
     tokens = max(sums["tokens"], 1.0)
     return {

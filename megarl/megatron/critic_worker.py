@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -92,11 +93,18 @@ class CriticWorker(Worker):
     def update(self, mini_batches: list[list[dict[str, Any]]]) -> list[dict[str, float]]:
         """One optimizer step per mini-batch of this rank's records (``tokens``, ``loss_mask``,
         ``values``, ``returns``: per-token lists over prompt + response); metrics per step."""
-        with self._on_device(PARTS):
-            return [self._update_one(mini_batch) for mini_batch in mini_batches]
+        deferred = self.spec.offload.optimizer_offload  # on the device for the steps only
+        metrics = []
+        with self._on_device(self.spec.offload.update_parts()):
+            for index, mini_batch in enumerate(mini_batches):
+                if deferred and index:
+                    self.offloader.offload(["optimizer"])
+                metrics.append(self._update_one(mini_batch, deferred))
+        return metrics
 
-    def _update_one(self, mini_batch: list[dict[str, Any]]) -> dict[str, float]:
-        """One optimizer step on one mini-batch of records."""
+    def _update_one(self, mini_batch: list[dict[str, Any]], deferred: bool) -> dict[str, float]:
+        """One optimizer step on one mini-batch of records; ``deferred``: the optimizer state
+        comes back after the last backward."""
         sequences = [
             ValueSequence(
                 tokens=torch.tensor(r["tokens"], dtype=torch.long),
@@ -106,8 +114,10 @@ class CriticWorker(Worker):
             )
             for r in mini_batch
         ]
-        return critic_train_step(self.critic, sequences, self.spec.loss,
-                                 max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch)
+        return critic_train_step(
+            self.critic, sequences, self.spec.loss,
+            max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
+            before_step=(partial(self.offloader.reload, ["optimizer"]) if deferred else None))
 
     def save_checkpoint(self, root: str, step: int, extra: dict[str, Any],
                         keep_last: int | None) -> str:

@@ -42,6 +42,13 @@ class OffloadSettings:
         on = (self.param_offload, self.grad_offload, self.optimizer_offload)
         return [part for part, flag in zip(PARTS, on) if flag]
 
+    def update_parts(self) -> list[str]:
+        """The parts an update brings back before its first forward: all, except an offloaded
+        optimizer state, which comes back only for each optimizer step (and leaves again before
+        the next mini-batch's forward), so the forwards and backwards have its memory for their
+        activations."""
+        return [part for part in PARTS if not (part == "optimizer" and self.optimizer_offload)]
+
 
 @dataclass
 class _Stash:

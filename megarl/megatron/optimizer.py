@@ -52,6 +52,7 @@ class TrainableActor:
         self.model = model
         self.settings = settings
         self.optimizer = get_megatron_optimizer(_optimizer_config(model, settings), model.chunks)
+        fuse_torch_adam(self.optimizer)
         self.scheduler = _scheduler(self.optimizer, settings)
         config.finalize_model_grads_func = finalize_model_grads
         config.grad_scale_func = self.optimizer.scale_loss
@@ -96,6 +97,27 @@ class TrainableActor:
             for param in opt.get_parameters():
                 if param.grad is not None:
                     param.grad.mul_(coeff)
+
+
+def fuse_torch_adam(optimizer: Any) -> int:
+    """Switch torch's Adam(W), which megatron falls back to without TE and apex, to its fused
+    CUDA kernel where every parameter of a group is a CUDA tensor: one kernel per group instead
+    of the foreach path, which also holds a temporary the size of the fp32 parameters (the
+    square roots of ``exp_avg_sq``) through the step. Returns the groups switched. The state's
+    ``step`` is made on the parameter's device for a fused group on its first step, so this
+    must run before the first step (or a checkpoint's load, which places it as torch does)."""
+    switched = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or inner.state:
+            continue
+        for group in inner.param_groups:
+            params = group["params"]
+            if params and not group.get("differentiable") and all(
+                    p.device.type == "cuda" and p.dtype.is_floating_point for p in params):
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched
 
 
 def _optimizer_config(model: ActorModel, settings: OptimizerSettings) -> OptimizerConfig:

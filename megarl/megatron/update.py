@@ -18,7 +18,7 @@ ranks' partial gradients: the applied gradient is again the mini-batch loss's.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -165,10 +165,13 @@ def train_step(
     max_tokens_per_micro_batch: int | None = None,
     temperature: float = 1.0,
     graphed: GraphedChunk | None = None,
+    before_step: Callable[[], object] | None = None,
 ) -> dict[str, float]:
     """One optimizer step on this DP rank's share of a mini-batch; returns ``actor/*`` metrics
     (identical on every rank). With ``graphed`` (the single chunk's :class:`GraphedChunk`) the
-    micro-batches' forward and backward replay CUDA graphs where their bucket allows."""
+    micro-batches' forward and backward replay CUDA graphs where their bucket allows.
+    ``before_step`` runs between the last backward and the optimizer step (the worker brings
+    an offloaded optimizer state back there)."""
     cpu_compat.enable()
     model = actor.model
     batches, groups = make_micro_batches(
@@ -210,6 +213,8 @@ def train_step(
         forward_only=False,
     )
     sums = _reduce_metrics(per_micro, device)
+    if before_step is not None:
+        before_step()
     result = actor.step(loss_is_finite=math.isfinite(sums["pg_loss"] + sums["kl_loss"]))
     tokens = max(sums["tokens"], 1.0)
     metrics = {

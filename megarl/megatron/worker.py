@@ -14,6 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator
+from functools import partial
 from typing import Any
 
 import torch
@@ -260,15 +261,19 @@ class ActorWorker(Worker):
         """As :meth:`update`; also returns, per mini-batch, the int16 routes each sequence's
         update forward used (``[L_i, moe_layers, top_k]``; empty lists unless recorded)."""
         metrics, used = [], []
+        deferred = self.spec.offload.optimizer_offload  # on the device for the steps only
         with self._phase("update_actor"):
-            self._move(self.offloader, "reload", PARTS)
-            for mini_batch in mini_batches:
-                metrics.append(self._update_one(mini_batch, record_routes, used))
+            self._move(self.offloader, "reload", self.spec.offload.update_parts())
+            for index, mini_batch in enumerate(mini_batches):
+                if deferred and index:
+                    self._move(self.offloader, "offload", ["optimizer"])
+                metrics.append(self._update_one(mini_batch, record_routes, used, deferred))
         return metrics, used
 
     def _update_one(self, mini_batch: list[dict[str, Any]], record_routes: bool,
-                    used: list[list[torch.Tensor]]) -> dict[str, float]:
-        """One optimizer step on one mini-batch; appends the routes it used to ``used``."""
+                    used: list[list[torch.Tensor]], deferred: bool) -> dict[str, float]:
+        """One optimizer step on one mini-batch; appends the routes it used to ``used``;
+        ``deferred``: the optimizer state comes back after the last backward."""
         sequences = [
             TrainSequence(
                 tokens=torch.tensor(s["tokens"], dtype=torch.long),
@@ -286,7 +291,9 @@ class ActorWorker(Worker):
             result = train_step(
                 self.actor, sequences, self.spec.loss,
                 max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
-                temperature=self.spec.temperature, graphed=self.graphed)
+                temperature=self.spec.temperature, graphed=self.graphed,
+                before_step=(partial(self._move, self.offloader, "reload", ["optimizer"])
+                             if deferred else None))
         used.append(recording.routes)
         return result
 

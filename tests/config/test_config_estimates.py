@@ -233,6 +233,44 @@ def test_colocated_offload_defaults_and_the_sync_with_param_offload(tiny_moe_dir
     assert est.engine.total == est.engine.usable + st.weights
 
 
+def test_an_offloaded_optimizer_state_is_on_the_gpu_for_the_steps_only(tiny_moe_dir):
+    """With ``optimizer_offload`` the update's peak is the larger of the forwards and backwards
+    (no optimizer state) and the optimizer step (no activations); without it, their sum. The
+    report says which, and the fix for a state-heavy update names the offload."""
+    kept, _ = tiny_estimate(tiny_moe_dir, "actor.offload.optimizer_offload=false")
+    u, st = kept.update, kept.update.state
+    assert not u.optimizer_deferred
+    assert u.total == st.weights + st.grads + st.optimizer + u.activations + u.logits
+    moved, _ = tiny_estimate(tiny_moe_dir, "actor.offload.optimizer_offload=true")
+    d = moved.update
+    assert d.optimizer_deferred and d.state == st and d.activations == u.activations
+    assert d.forward_backward == st.weights + st.grads + u.activations + u.logits
+    assert d.optimizer_step == st.weights + st.grads + st.optimizer
+    assert d.total == max(d.forward_backward, d.optimizer_step) == d.forward_backward < u.total
+    # 64 tokens a micro-batch: the step (the state) is the peak
+    small, _ = tiny_estimate(tiny_moe_dir, "actor.offload.optimizer_offload=true",
+                             "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=8")
+    assert small.update.total == small.update.optimizer_step > small.update.forward_backward
+    cfg = tiny_config(tiny_moe_dir, "actor.offload.optimizer_offload=true")
+    text = "\n".join(format_estimates(cfg, load_model_info(tiny_moe_dir),
+                                      derive_sizes(cfg, load_model_info(tiny_moe_dir))))
+    assert "optimizer step: weights + grads + optimizer" in text
+    assert "(actor.offload.optimizer_offload); peak" in text
+    # a GPU too small for the state: with the state kept, the fix offers the offload
+    tight = tiny_config(tiny_moe_dir, "actor.offload.optimizer_offload=false",
+                        "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=8",
+                        "resources.gpu_memory_gb=0.0001")
+    update = [p for p in memory_warnings(tight) if "in the update" in p.line()]
+    assert "actor.offload.optimizer_offload=true" in update[0].fix
+    assert "actor.offload.optimizer_offload" in update[0].fields
+    tight_moved = tiny_config(tiny_moe_dir, "actor.offload.optimizer_offload=true",
+                              "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=8",
+                              "resources.gpu_memory_gb=0.0001")
+    update = [p for p in memory_warnings(tight_moved) if "in the update" in p.line()]
+    assert "for the steps only" in update[0].message
+    assert "actor.recompute.granularity" not in update[0].fields  # no activations at the peak
+
+
 def test_pipeline_stages_and_micro_batches_in_flight():
     assert [list(stage_layers(61, 4, s)) for s in (0, 3)] == [list(range(16)), list(range(48, 61))]
     p4 = ParallelConfig(pp=4)

@@ -154,7 +154,10 @@ def test_the_gpu_lora_demo_trains_a_model_whose_full_fine_tune_does_not_fit_an_h
     full, _ = load_config(spec.config, [*at_141, "actor.lora.rank=0"])
     ctx = build_context(full)
     update = estimate(full, ctx.model, ctx.sizes).update
-    assert update.total > 18 * params > 141 * GB
+    # colocated, the optimizer state comes to the GPU for the step only, whose 18 bytes a
+    # parameter (bf16 weights, fp32 grads, master copy and moments) alone exceed the H200
+    assert update.optimizer_deferred and update.total >= update.optimizer_step
+    assert update.optimizer_step >= 18 * params > 141 * GB
     warned = [p for p in validate_config(full, allow_missing_files=True)
               if p.rule == "check_memory_fits"]
     assert warned and "in the update" in warned[0].line()

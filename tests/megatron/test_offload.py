@@ -122,3 +122,67 @@ def test_offload_round_trip_is_exact(pool2, tiny_models):
         assert got["first"] == ref["first"] and got["second"] == ref["second"]
         for key, value in ref["final"].items():
             assert torch.equal(value, got["final"][key]), key
+
+
+def _optimizer_state_bytes(actor) -> list[int]:
+    """The bytes of every Adam state tensor's storage on this rank (0: offloaded)."""
+    from megarl.megatron.offload import _inner_optimizers
+
+    return [int(v.untyped_storage().nbytes()) for inner in _inner_optimizers(actor.optimizer)
+            for state in inner.state.values() for v in state.values()
+            if isinstance(v, torch.Tensor)]
+
+
+def _worker_updates(model_dir: str, offload: bool) -> dict:
+    """The ActorWorker as the trainer drives it: an update of two mini-batches, the offload
+    after it, an update of one; what the Adam state's storages held at every forward."""
+    from megatron.core import parallel_state as mpu
+
+    from megarl.megatron.offload import OffloadSettings
+    from megarl.megatron.optimizer import OptimizerSettings
+    from megarl.megatron.update import LossSettings
+    from megarl.megatron.worker import ActorSpec, ActorWorker
+
+    spec = ActorSpec(
+        model_path=model_dir, dtype="float32", sizes=ParallelSizes(),
+        optim=OptimizerSettings(lr=1e-3, weight_decay=0.0), loss=LossSettings(entropy_coeff=0.01),
+        with_ref=False, temperature=1.0, max_tokens_per_micro_batch=24, seed=1,
+        offload=OffloadSettings(grad_offload=offload, optimizer_offload=offload))
+    worker = ActorWorker(spec)
+    dp, size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    seen: list[list[int]] = []
+    worker.actor.model.chunks[0].register_forward_pre_hook(
+        lambda *_: seen.append(_optimizer_state_bytes(worker.actor)))
+
+    def mini_batch(seed: int) -> list[dict]:
+        return [{k: v.tolist() for k, v in s.items()} for s in _batch(seed)[dp::size]]
+
+    metrics = worker.update([mini_batch(1), mini_batch(2)])
+    stepped = _optimizer_state_bytes(worker.actor)
+    worker.offload()  # what actor.offload switches on, as the trainer does after the update
+    metrics += worker.update([mini_batch(3)])
+    return {"metrics": metrics, "seen": seen, "stepped": stepped, "final": _state(worker.actor),
+            "moved": worker.memory_stats()["seconds"]}
+
+
+def test_an_offloaded_optimizer_state_comes_back_for_the_steps_only(pool2, tiny_models):
+    """With ``optimizer_offload`` the Adam state stays in host memory through every forward and
+    backward of an update (the second mini-batch's too: it leaves again after the first step)
+    and is on the device for the steps: the three steps equal, bit for bit, those of a worker
+    that never offloads."""
+    kept = pool2.run(_worker_updates, tiny_models["qwen3"], False)
+    moved = pool2.run(_worker_updates, tiny_models["qwen3"], True)
+    for rank in range(2):
+        ref, got = kept[rank], moved[rank]
+        assert len(ref["seen"]) == len(got["seen"]) >= 3, "a forward per micro-batch at least"
+        assert got["stepped"] and all(n > 0 for n in got["stepped"])  # the step had it back
+        assert got["stepped"] == ref["stepped"]
+        first = [s for s in got["seen"] if s]  # the first mini-batch's forwards: no state yet
+        assert first and all(n == 0 for s in first for n in s), got["seen"]
+        assert all(n > 0 for s in ref["seen"] if s for n in s)
+        assert len(first) == len([s for s in ref["seen"] if s])
+        assert got["moved"]["reload_actor"] > 0 and got["moved"]["offload_actor"] > 0
+        assert got["metrics"] == ref["metrics"]
+        assert ref["final"].keys() == got["final"].keys()
+        for key, value in ref["final"].items():
+            assert torch.equal(value, got["final"][key]), key
