@@ -11,7 +11,8 @@ if [ "${PROFILE:-1}" = 1 ]; then
   head -60 $OUT/prof/profile_e2e_dense_megatron_update.txt 2>/dev/null | cut -c1-70,100-200
 fi
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_memory_handoff_gpu.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_vocab_triton_gpu.py \
+    tests/gpu/test_wgrad_fusion_gpu.py tests/gpu/test_memory_handoff_gpu.py ${GPU_TESTS:-} \
     > $OUT/gpu_tests.log 2>&1
   echo "gpu tests rc=$?"; tail -4 $OUT/gpu_tests.log
 fi

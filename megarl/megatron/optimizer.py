@@ -15,6 +15,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megarl.megatron.model import ActorModel
 from megarl.megatron.settings import OptimizerSettings
+from megarl.megatron.wgrad_fusion import fuse_weight_gradients
 
 
 @dataclass
@@ -32,7 +33,11 @@ class StepResult:
 class TrainableActor:
     """An ActorModel whose chunks are wrapped in megatron DDP, with optimizer and schedule."""
 
-    def __init__(self, model: ActorModel, settings: OptimizerSettings) -> None:
+    def __init__(self, model: ActorModel, settings: OptimizerSettings,
+                 fuse_wgrad: bool = True) -> None:
+        """``fuse_wgrad``: megatron's linear layers add their weight gradients straight into
+        the fp32 gradient buffers on CUDA (:mod:`~megarl.megatron.wgrad_fusion`; off for CUDA
+        graphs)."""
         config = model.config
         moe_with_tp = config.num_moe_experts and config.tensor_model_parallel_size > 1
         if moe_with_tp and not config.sequence_parallel:
@@ -51,6 +56,7 @@ class TrainableActor:
         ]
         self.model = model
         self.settings = settings
+        self.fused_wgrad_layers = fuse_weight_gradients(model.chunks) if fuse_wgrad else 0
         self.optimizer = get_megatron_optimizer(_optimizer_config(model, settings), model.chunks)
         fuse_torch_adam(self.optimizer)
         self.scheduler = _scheduler(self.optimizer, settings)

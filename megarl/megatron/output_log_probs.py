@@ -29,7 +29,8 @@ from megatron.core.tensor_parallel.mappings import (
 )
 
 from megarl.megatron.parallel import unwrap_chunk
-from megarl.megatron.vocab_parallel import _row_chunks, chunk_log_probs, logits_grad
+from megarl.megatron.vocab_parallel import _row_chunks, chunk_log_probs, chunk_logits_grad
+from megarl.megatron.wgrad_fusion import accumulate_weight_grad
 
 
 @contextmanager
@@ -79,15 +80,19 @@ def output_log_probs(chunk: torch.nn.Module, hidden: torch.Tensor, targets: torc
     local_vocab = weight.shape[0]
     vocab_start = mpu.get_tensor_model_parallel_rank() * local_vocab
     valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
+    # an untied weight under DDP takes its gradient straight into its fp32 buffer; a tied one
+    # (the embedding's) also gets the embedding's gradient in the same accumulation
+    fuse = (not model.share_embeddings_and_output_weights and hasattr(weight, "main_grad")
+            and hasattr(weight, "grad_added_to_main_grad"))
     return _OutputLogProbs.apply(h, weight, targets.reshape(-1), vocab_start, valid_cols,
-                                 float(temperature), group)
+                                 float(temperature), group, fuse)
 
 
 class _OutputLogProbs(torch.autograd.Function):
     """``hidden [T, H] @ weight[:valid].T`` -> (log_probs, entropy) ``[T]``, chunk by chunk."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, target, vocab_start, valid_cols, temperature, group):
+    def forward(ctx, hidden, weight, target, vocab_start, valid_cols, temperature, group, fuse):
         """Each chunk's logits exist only while its statistics are taken."""
         rows = hidden.shape[0]
         w = weight[:valid_cols]
@@ -101,30 +106,41 @@ class _OutputLogProbs(torch.autograd.Function):
                                              temperature, group)
             out[0, start:end], out[1, start:end], out[2, start:end] = lp, ent, log_z
         ctx.save_for_backward(hidden, weight, out[2], out[1], local_index, in_shard)
-        ctx.valid_cols, ctx.temperature = valid_cols, temperature
+        ctx.valid_cols, ctx.temperature, ctx.fuse = valid_cols, temperature, fuse
         return out[0], out[1]
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
         """Recompute each chunk's logits; the hidden states' and the weight's gradients (this
         rank's vocabulary columns; the TP reduction of the hidden states' gradient is the
-        region function's backward)."""
+        region function's backward). With ``fuse`` the weight's gradient is added into its
+        fp32 ``main_grad`` chunk by chunk (megatron's gradient-accumulation fusion: DDP's hook
+        then skips the placeholder returned)."""
         hidden, weight, log_z, entropy, local_index, in_shard = ctx.saved_tensors
         valid_cols, temperature = ctx.valid_cols, ctx.temperature
         w = weight[:valid_cols]
         want_w = ctx.needs_input_grad[1]  # a frozen output layer (LoRA) needs none
+        fuse = want_w and ctx.fuse
         grad_hidden = torch.zeros_like(hidden)
-        grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
+        if fuse:
+            grad_w = weight.main_grad[:valid_cols]
+        else:
+            grad_w = torch.zeros(w.shape, dtype=torch.float32, device=w.device) if want_w else None
         for start, end in _row_chunks(hidden.shape[0], valid_cols) if valid_cols > 0 else []:
             rows = slice(start, end)
             z = hidden[rows] @ w.t()
-            grad_z = logits_grad(z, rows, log_z, entropy, local_index, in_shard, grad_log_probs,
-                                 grad_entropy, temperature).to(hidden.dtype)
+            grad_z = chunk_logits_grad(z, rows, log_z, entropy, local_index, in_shard,
+                                       grad_log_probs, grad_entropy, temperature)
             grad_hidden[rows] = grad_z @ w
-            if want_w:
+            if fuse:
+                accumulate_weight_grad(grad_w, grad_z, hidden[rows])
+            elif want_w:
                 grad_w += (grad_z.t() @ hidden[rows]).float()
         grad_weight = None
-        if want_w:
+        if fuse:
+            weight.grad_added_to_main_grad = True
+            grad_weight = torch.empty_like(weight)  # a placeholder DDP's hook skips
+        elif want_w:
             grad_weight = torch.zeros_like(weight)
             grad_weight[:valid_cols] = grad_w.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None

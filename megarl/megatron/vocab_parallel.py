@@ -15,8 +15,12 @@ from the saved logits. Two all-reduces per call (the max, then the three sums to
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.distributed as dist
+
+from megarl.kernels import triton_vocab_kernels
 
 CHUNK_ELEMENTS = 1 << 26
 """fp32 elements (256 MiB) of one chunk of rows processed at a time."""
@@ -96,27 +100,71 @@ def logits_grad(z: torch.Tensor, rows: slice, log_z: torch.Tensor, entropy: torc
     return grad.div_(temperature)
 
 
+def _vocab_kernels(z: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels (:mod:`megarl.kernels.triton_vocab`) for the chunk ``z``, or None."""
+    if not (z.is_cuda and z.shape[1] > 0 and z.stride(1) == 1):
+        return None
+    return triton_vocab_kernels()
+
+
+def local_stats(z: torch.Tensor, local_index: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``[4, rows]`` fp32 of this rank's columns ``z / temperature``: the row max ``m``,
+    ``sum exp(x - m)``, ``sum exp(x - m) x`` and the logit at ``local_index`` (torch)."""
+    out = torch.zeros(4, z.shape[0], dtype=torch.float32, device=z.device)
+    if z.shape[1] == 0:
+        out[0] = float("-inf")
+        return out
+    out[0] = z.amax(dim=-1).float() / temperature
+    zf = z.float() / temperature
+    shifted_exp = torch.exp(zf - out[0, :, None])
+    out[1] = shifted_exp.sum(dim=-1)
+    out[2] = (shifted_exp * zf).sum(dim=-1)
+    out[3] = z.gather(-1, local_index.unsqueeze(-1)).squeeze(-1).float() / temperature
+    return out
+
+
 def chunk_log_probs(z: torch.Tensor, local_index: torch.Tensor, in_shard: torch.Tensor,
                     temperature: float, group) -> tuple[torch.Tensor, ...]:
     """(log_probs, entropy, log_z) ``[rows]`` of one chunk of rows of the local, valid logit
-    columns ``z`` (two all-reduces over ``group``: the max, then the three sums)."""
-    rows = z.shape[0]
-    if z.shape[1] > 0:
-        z_max = z.amax(dim=-1).float() / temperature
+    columns ``z`` (two all-reduces over ``group``: the max, then the three sums, each rank's
+    rescaled from its own max). On CUDA the local statistics are one Triton pass over ``z``."""
+    tri = _vocab_kernels(z)
+    if tri is not None and tri.checked("vocab_stats",
+                                   lambda: tri.chunk_stats(z, local_index, temperature),
+                                   lambda: local_stats(z, local_index, temperature)):
+        stats = tri.chunk_stats(z, local_index, temperature)
     else:
-        z_max = z.new_full((rows,), float("-inf"), dtype=torch.float32)
+        stats = local_stats(z, local_index, temperature)
+    z_max = stats[0].clone()
     _all_reduce(z_max, dist.ReduceOp.MAX, group)
-    sums = torch.zeros(3, rows, dtype=torch.float32, device=z.device)
-    if z.shape[1] > 0:
-        zf = z.float() / temperature
-        shifted_exp = torch.exp(zf - z_max[:, None])
-        sums[0] = shifted_exp.sum(dim=-1)
-        sums[2] = (shifted_exp * zf).sum(dim=-1)
-        sums[1] = z.gather(-1, local_index.unsqueeze(-1)).squeeze(-1).float() / temperature
-        sums[1] *= in_shard
+    # 1 where this rank holds the max (always on one rank); 0 for a rank without columns
+    scale = torch.where(stats[0] > float("-inf"), torch.exp(stats[0] - z_max), 0.0)
+    sums = torch.stack([stats[1] * scale, stats[3] * in_shard, stats[2] * scale])
     _all_reduce(sums, dist.ReduceOp.SUM, group)
     log_z = z_max + torch.log(sums[0])
     return sums[1] - log_z, log_z - sums[2] / sums[0], log_z
+
+
+def chunk_logits_grad(z: torch.Tensor, rows: slice, log_z: torch.Tensor, entropy: torch.Tensor,
+                      local_index: torch.Tensor, in_shard: torch.Tensor,
+                      grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None,
+                      temperature: float) -> torch.Tensor:
+    """:func:`logits_grad` in ``z``'s dtype; on CUDA one Triton pass over ``z``."""
+    tri = _vocab_kernels(z)
+
+    def fast() -> torch.Tensor:
+        return tri.chunk_grad(
+            z, log_z[rows], entropy[rows], local_index[rows], in_shard[rows],
+            None if grad_log_probs is None else grad_log_probs[rows],
+            None if grad_entropy is None else grad_entropy[rows], temperature)
+
+    def reference() -> torch.Tensor:
+        return logits_grad(z, rows, log_z, entropy, local_index, in_shard, grad_log_probs,
+                           grad_entropy, temperature).to(z.dtype)
+
+    if tri is not None and tri.checked("vocab_grad", fast, reference):
+        return fast()
+    return reference()
 
 
 def _all_reduce(t: torch.Tensor, op: dist.ReduceOp, group) -> None:

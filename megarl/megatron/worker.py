@@ -87,7 +87,7 @@ class ActorWorker(Worker):
         model = self._build_model(dtype, router_replay=spec.router_replay,
                                   recompute=spec.recompute,
                                   lora=spec.lora if spec.lora.enabled else None)
-        self.actor = TrainableActor(model, spec.optim)
+        self.actor = TrainableActor(model, spec.optim, fuse_wgrad=not spec.cuda_graphs)
         self.graphed = self._graphed_chunk() if spec.cuda_graphs else None
         self.ref: ActorModel | None = None
         if spec.with_ref:
