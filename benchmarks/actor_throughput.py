@@ -178,8 +178,13 @@ class MegatronStep:
 
         self.model = build_actor_model(model_dir, ParallelSizes(), dtype, spec="native")
         (self.batch,), _ = make_micro_batches(self.model, sequences, None)
-        self.chunk = self.model.chunks[0].train()
         self.hidden = hidden  # the update's path: hidden states, log-probs a chunk at a time
+        self.actor = None
+        if hidden:  # and the update's DDP wrapping: fp32 gradient buffers, fused accumulation
+            from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
+
+            self.actor = TrainableActor(self.model, OptimizerSettings(lr=1e-5))
+        self.chunk = self.model.chunks[0].train()
         self.forward: Callable[[Any], torch.Tensor] = lambda batch: gpt_forward(
             self.chunk, batch, hidden=hidden)
         if graphs:  # one bucket of exactly this micro-batch
@@ -211,7 +216,10 @@ class MegatronStep:
     def __call__(self) -> None:
         from megarl.megatron.logprobs import token_log_probs
 
-        self.chunk.zero_grad(set_to_none=True)
+        if self.actor is not None:
+            self.actor.zero_grad()
+        else:
+            self.chunk.zero_grad(set_to_none=True)
         output = self.forward(self.batch)
         log_probs, _ = token_log_probs(self.model, output, self.batch.targets, 1.0,
                                        hidden=self.hidden)
@@ -397,8 +405,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated: dense, moe, or e2e_dense / e2e_moe (e2e_step.py's)")
     p.add_argument("--sides", default="hf,megatron,megatron_graphs",
                    help="comma-separated: hf, megatron (whole logits), megatron_graphs, "
-                        "megatron_update (the update's path: log-probs from the hidden states, "
-                        "a chunk of rows at a time)")
+                        "megatron_update (the update's path: DDP's fp32 gradient buffers, "
+                        "log-probs from the hidden states a chunk of rows at a time)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch")
     p.add_argument(
         "--packed-seqs",
