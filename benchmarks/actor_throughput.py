@@ -170,7 +170,7 @@ class MegatronStep:
     ``actor.cuda_graphs=true`` runs; ``"emulate"``: its buffers without CUDA graphs, CPU)."""
 
     def __init__(self, model_dir: Path, sequences: list[torch.Tensor], dtype: torch.dtype,
-                 graphs: bool | str = False, hidden: bool = False) -> None:
+                 graphs: bool | str = False, hidden: bool = False, fast: bool = True) -> None:
         from megarl.megatron.cuda_graphs import GraphedChunk
         from megarl.megatron.logprobs import gpt_forward, make_micro_batches
         from megarl.megatron.model import build_actor_model
@@ -183,7 +183,8 @@ class MegatronStep:
         if hidden:  # and the update's DDP wrapping: fp32 gradient buffers, fused accumulation
             from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
 
-            self.actor = TrainableActor(self.model, OptimizerSettings(lr=1e-5))
+            self.actor = TrainableActor(self.model, OptimizerSettings(lr=1e-5), fuse_wgrad=fast)
+        self.fast = fast  # False: the update's torch path (no Triton log-prob kernels)
         self.chunk = self.model.chunks[0].train()
         self.forward: Callable[[Any], torch.Tensor] = lambda batch: gpt_forward(
             self.chunk, batch, hidden=hidden)
@@ -214,6 +215,18 @@ class MegatronStep:
         return float((graphed - eager).detach().abs().max())
 
     def __call__(self) -> None:
+        from megarl import kernels
+
+        if self.fast:
+            return self._step()
+        saved = kernels._LOADED.get("triton_vocab")
+        kernels._LOADED["triton_vocab"] = None
+        try:
+            return self._step()
+        finally:
+            kernels._LOADED["triton_vocab"] = saved
+
+    def _step(self) -> None:
         from megarl.megatron.logprobs import token_log_probs
 
         if self.actor is not None:
@@ -310,6 +323,8 @@ def run_shape(
         "megatron_graphs": lambda: MegatronStep(
             model_dir, sequences, dtype, graphs=True if device == "cuda" else "emulate"),
         "megatron_update": lambda: MegatronStep(model_dir, sequences, dtype, hidden=True),
+        "megatron_update_torch": lambda: MegatronStep(model_dir, sequences, dtype, hidden=True,
+                                                      fast=False),
     }
     chosen = args.sides.split(",")
     if args.no_graphs:
@@ -384,12 +399,13 @@ def print_table(rows: list[dict[str, Any]], ceilings: dict[str, float]) -> None:
             f"copy {ceilings['copy_gb_per_s']:.0f} GB/s"
         )
     for r in rows:
-        for side in ("hf", "megatron", "megatron_graphs", "megatron_update"):
+        for side in ("hf", "megatron", "megatron_graphs", "megatron_update",
+                     "megatron_update_torch"):
             if f"{side}_tokens_per_s" not in r:
                 continue
             mfu = f"  MFU {r[side + '_mfu']:6.1%}" if f"{side}_mfu" in r else ""
             print(
-                f"{r['shape']:>6} {side:>16}: {r[side + '_tokens_per_s']:10.0f} tokens/s  "
+                f"{r['shape']:>6} {side:>21}: {r[side + '_tokens_per_s']:10.0f} tokens/s  "
                 f"{r[side + '_tflops']:7.1f} TFLOP/s{mfu}"
             )
         graphed = f", {r['ratio_graphs']:.2f}x with CUDA graphs" if "ratio_graphs" in r else ""
@@ -406,7 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sides", default="hf,megatron,megatron_graphs",
                    help="comma-separated: hf, megatron (whole logits), megatron_graphs, "
                         "megatron_update (the update's path: DDP's fp32 gradient buffers, "
-                        "log-probs from the hidden states a chunk of rows at a time)")
+                        "log-probs from the hidden states a chunk of rows at a time), "
+                        "megatron_update_torch (the same without the fused weight-gradient "
+                        "accumulation and the Triton log-prob kernels)")
     p.add_argument("--seq-len", type=int, default=None, help="tokens per micro-batch")
     p.add_argument(
         "--packed-seqs",
