@@ -6,7 +6,7 @@ source benchmarks/h200/setup.sh
 if [ "${PROFILE:-1}" = 1 ]; then
   timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/actor_throughput.py --shapes e2e_dense \
     --sides megatron_update,megatron_update_torch --seq-len 16384 --packed-seqs 25 --no-graphs --warmup 2 --steps 5 \
-    --profile $OUT/prof --out $OUT/actor_e2e_dense.json > $OUT/actor_e2e_dense.log 2>&1
+    ${PROFILE_ARGS---profile $OUT/prof} --out $OUT/actor_e2e_dense.json > $OUT/actor_e2e_dense.log 2>&1
   echo "actor profile rc=$?"; grep -v -i warn $OUT/actor_e2e_dense.log | tail -4 | cut -c1-600
   head -40 $OUT/prof/profile_e2e_dense_megatron_update.txt 2>/dev/null | cut -c1-60,100-175
 fi

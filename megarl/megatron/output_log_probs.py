@@ -30,7 +30,7 @@ from megatron.core.tensor_parallel.mappings import (
 
 from megarl.megatron.parallel import unwrap_chunk
 from megarl.megatron.vocab_parallel import _row_chunks, chunk_log_probs, chunk_logits_grad
-from megarl.megatron.wgrad_fusion import accumulate_weight_grad
+from megarl.megatron.wgrad_fusion import accumulate_weight_grad, accumulates_into
 
 
 @contextmanager
@@ -82,8 +82,8 @@ def output_log_probs(chunk: torch.nn.Module, hidden: torch.Tensor, targets: torc
     valid_cols = max(0, min(local_vocab, vocab_size - vocab_start))
     # an untied weight under DDP takes its gradient straight into its fp32 buffer; a tied one
     # (the embedding's) also gets the embedding's gradient in the same accumulation
-    fuse = (not model.share_embeddings_and_output_weights and hasattr(weight, "main_grad")
-            and hasattr(weight, "grad_added_to_main_grad"))
+    fuse = (not model.share_embeddings_and_output_weights and weight.requires_grad
+            and hasattr(weight, "grad_added_to_main_grad") and accumulates_into(weight))
     return _OutputLogProbs.apply(h, weight, targets.reshape(-1), vocab_start, valid_cols,
                                  float(temperature), group, fuse)
 

@@ -13,9 +13,12 @@ extension's place; :func:`accumulate_weight_grad` is also what the chunked outpu
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor,
@@ -28,6 +31,38 @@ def accumulate_weight_grad(main_grad: torch.Tensor, grad_output: torch.Tensor,
     else:
         torch.ops.aten.addmm.dtype_out(main_grad, grad_output.t(), total_input, main_grad.dtype,
                                        out=main_grad)
+
+
+_WORKS: bool | None = None
+
+
+def _works_here() -> bool:
+    """Whether the bf16 GEMM with an fp32 output accumulates correctly on this GPU and torch
+    (checked once on a small problem; a torch without ``out_dtype`` keeps DDP's unfused path,
+    with a warning)."""
+    global _WORKS
+    if _WORKS is None:
+        try:
+            g = torch.Generator(device="cuda").manual_seed(0)
+            grad_output, total_input = (torch.randn(256, n, device="cuda", generator=g)
+                                        .bfloat16() for n in (64, 32))
+            main_grad = torch.ones(64, 32, device="cuda")
+            accumulate_weight_grad(main_grad, grad_output, total_input)
+            want = 1 + grad_output.float().t() @ total_input.float()
+            _WORKS = bool(torch.allclose(main_grad, want, rtol=1e-3, atol=1e-2))
+        except (RuntimeError, TypeError) as err:
+            logger.warning("weight gradients stay unfused (DDP adds them): %s", err)
+            _WORKS = False
+    return _WORKS
+
+
+def accumulates_into(weight: torch.Tensor) -> bool:
+    """Whether :func:`accumulate_weight_grad` can add ``weight``'s gradient into its
+    ``main_grad`` here (same dtype anywhere; bf16 into fp32 on a GPU where it works)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        return False
+    return main_grad.dtype == weight.dtype or (weight.is_cuda and _works_here())
 
 
 class _Extension:
@@ -51,7 +86,7 @@ def fuse_weight_gradients(chunks: Iterable[torch.nn.Module]) -> int:
     graphs, whose captured backward would keep the buffer's address across offloads (the caller
     does not switch them on). Where apex's extension is installed, megatron uses it unchanged.
     """
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() or not _works_here():
         return 0
     from megatron.core.tensor_parallel import layers
 

@@ -26,3 +26,15 @@ def test_no_layer_is_switched_without_cuda():
     layer = torch.nn.Linear(4, 4)
     layer.weight.main_grad = torch.zeros(4, 4)
     assert fuse_weight_gradients([layer]) == 0
+
+
+def test_the_output_layer_fuses_only_where_the_accumulation_runs():
+    from megarl.megatron.wgrad_fusion import accumulates_into
+
+    weight = torch.nn.Parameter(torch.zeros(4, 3))
+    assert not accumulates_into(weight)  # no DDP buffer
+    weight.main_grad = torch.zeros(4, 3)
+    assert accumulates_into(weight)  # fp32 into fp32: a plain addmm_
+    half = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
+    half.main_grad = torch.zeros(4, 3)
+    assert not accumulates_into(half)  # bf16 into fp32 needs the GPU's out_dtype GEMM
