@@ -69,5 +69,13 @@ def test_an_update_with_fused_weight_gradients_matches_the_unfused_one(tmp_path,
         got = fused["grads"][name]
         scale = want.abs().max().item() + 1e-6
         assert (got - want).abs().max().item() <= 2e-2 * scale, name
+    # Adam's first step moves each parameter by ~lr x the sign of its gradient: where that is
+    # ~0, the two runs' bf16 rounding may pick opposite signs (2 x lr apart; on an H100 3 of
+    # 16,384 elements of one matrix differed by 1.6e-3); everything else agrees closely
+    lr, close, total = 1e-3, 0, 0
     for name, want in plain["params"].items():
-        torch.testing.assert_close(fused["params"][name], want, rtol=1e-2, atol=1e-3)
+        diff = (fused["params"][name] - want).abs()
+        assert diff.max().item() <= 2 * lr + 1e-4, name
+        close += int((diff <= 1e-4 + 1e-2 * want.abs()).sum())
+        total += diff.numel()
+    assert close >= 0.999 * total, (close, total)
