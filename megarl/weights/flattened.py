@@ -32,6 +32,7 @@ import base64
 import functools
 import io
 import pickle
+import time
 import types
 from collections.abc import Sequence
 from multiprocessing import resource_sharer
@@ -317,6 +318,10 @@ def _rebuild_storage_fd(cls: Any, df: Any, size: int) -> Any:
     return reductions.rebuild_storage_fd(_storage_class(cls), df, size)
 
 
+SHM_MANAGER_ATTEMPTS = 5
+"""Tries of a ``file_system`` storage's rebuild whose shared-memory manager timed out."""
+
+
 def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: int,
                               dtype: Any = None) -> Any:
     """torch's ``rebuild_storage_filename`` (the ``file_system`` sharing strategy)."""
@@ -324,7 +329,18 @@ def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: int,
             and (dtype is None or isinstance(dtype, torch.dtype))):
         raise pickle.UnpicklingError("refusing a malformed shared-memory file storage in a "
                                      "weight payload")
-    return reductions.rebuild_storage_filename(_storage_class(cls), manager, handle, size, dtype)
+    for attempt in range(SHM_MANAGER_ATTEMPTS):
+        try:
+            return reductions.rebuild_storage_filename(_storage_class(cls), manager, handle, size,
+                                                       dtype)
+        except RuntimeError as err:
+            # torch's shared-memory manager answers within 1 s or the connection "has timed
+            # out" (libshm): on a loaded machine it may not be scheduled in time; nothing was
+            # mapped or released yet, so the rebuild is tried again
+            if "Shared memory manager" not in str(err) or attempt + 1 == SHM_MANAGER_ATTEMPTS:
+                raise
+            time.sleep(0.1 * (attempt + 1))
+    raise AssertionError("unreachable")
 
 
 def _rebuild_storage_empty(cls: Any) -> Any:

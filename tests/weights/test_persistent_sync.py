@@ -13,6 +13,7 @@ holds equals the actor's, bit for bit.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import httpx
@@ -182,3 +183,38 @@ def test_the_engine_refuses_what_it_cannot_keep_or_replay(models, server, case):
                 REPLAY_FIELD: "nope"}
     reply = httpx.post(f"{server.url}/update_weights_from_tensor", json=body).json()
     assert reply["success"] is False and expected in reply["message"], reply
+
+
+def test_a_shared_storage_is_rebuilt_again_when_the_shm_manager_times_out(monkeypatch):
+    """torch's shared-memory manager answers a rebuild within 1 s or the connection "has timed
+    out": on a loaded machine the engine tries again (it failed CI once this way); any other
+    error is raised at once."""
+    from torch.multiprocessing import reductions
+
+    from megarl.weights.flattened import SHM_MANAGER_ATTEMPTS, deserialize
+
+    original, calls = reductions.rebuild_storage_filename, []
+
+    def flaky(*args, fail: int, error: str = "Shared memory manager connection has timed out"):
+        calls.append(1)
+        if len(calls) <= fail:
+            raise RuntimeError(error)
+        return original(*args)
+
+    data = torch.arange(64, dtype=torch.uint8)
+    sent = [serialize(data.clone(), share_cpu=True) for _ in range(3)]  # before the patches
+    monkeypatch.setattr(reductions, "rebuild_storage_filename", functools.partial(flaky, fail=2))
+    assert torch.equal(deserialize(sent[0]), data)
+    assert len(calls) == 3
+    calls.clear()
+    monkeypatch.setattr(reductions, "rebuild_storage_filename",
+                        functools.partial(flaky, fail=SHM_MANAGER_ATTEMPTS))
+    with pytest.raises(RuntimeError, match="timed out"):
+        deserialize(sent[1])
+    assert len(calls) == SHM_MANAGER_ATTEMPTS
+    calls.clear()
+    monkeypatch.setattr(reductions, "rebuild_storage_filename",
+                        functools.partial(flaky, fail=1, error="another failure"))
+    with pytest.raises(RuntimeError, match="another failure"):
+        deserialize(sent[2])
+    assert len(calls) == 1
