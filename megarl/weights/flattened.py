@@ -34,7 +34,7 @@ import io
 import pickle
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from multiprocessing import resource_sharer
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -213,7 +213,7 @@ class _SharedFile:
     """Pickles as torch's ``rebuild_storage_filename`` of a CPU storage moved to shared memory."""
 
     def __init__(self, storage: torch.UntypedStorage) -> None:
-        self.args = storage._share_filename_cpu_()
+        self.args = shm_managed(storage._share_filename_cpu_)
         storage._shared_incref()  # the receiver's rebuild drops this reference
 
     def __reduce__(self) -> tuple:
@@ -329,14 +329,19 @@ def _rebuild_storage_filename(cls: Any, manager: Any, handle: Any, size: int,
             and (dtype is None or isinstance(dtype, torch.dtype))):
         raise pickle.UnpicklingError("refusing a malformed shared-memory file storage in a "
                                      "weight payload")
+    return shm_managed(lambda: reductions.rebuild_storage_filename(
+        _storage_class(cls), manager, handle, size, dtype))
+
+
+def shm_managed(call: Callable[[], Any]) -> Any:
+    """``call()``, a step that talks to torch's shared-memory manager, tried again (up to
+    :data:`SHM_MANAGER_ATTEMPTS` times) when the manager did not answer: it answers within 1 s
+    or the connection "has timed out" (libshm), and on a loaded machine it may not be scheduled
+    in time; the step fails before it maps or releases anything. Other errors are raised."""
     for attempt in range(SHM_MANAGER_ATTEMPTS):
         try:
-            return reductions.rebuild_storage_filename(_storage_class(cls), manager, handle, size,
-                                                       dtype)
+            return call()
         except RuntimeError as err:
-            # torch's shared-memory manager answers within 1 s or the connection "has timed
-            # out" (libshm): on a loaded machine it may not be scheduled in time; nothing was
-            # mapped or released yet, so the rebuild is tried again
             if "Shared memory manager" not in str(err) or attempt + 1 == SHM_MANAGER_ATTEMPTS:
                 raise
             time.sleep(0.1 * (attempt + 1))
