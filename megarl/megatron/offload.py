@@ -3,10 +3,11 @@
 While colocated engines generate, the actor's optimizer state, gradient buffers and (optionally)
 parameters leave the GPU, and come back for the next forward or update; the optimizer state only
 for the update's optimizer steps (:meth:`OffloadSettings.update_parts`), so the forwards and
-backwards have its memory. Everything moves at the
-level of the *storage*: a storage is copied to host memory (pinned on CUDA, plain on CPU; packed
-into each part's :class:`~megarl.host_arena.HostArena`, whose slabs stay allocated for the next
-cycle and are not rounded up per tensor as torch's pinned allocator would) and resized to 0 bytes; on reload it is resized back and refilled. Every tensor that views it (DDP's
+backwards have its memory. Everything moves at the level of the *storage*: a storage is copied
+to host memory (pinned on CUDA, plain on CPU; packed into each part's
+:class:`~megarl.host_arena.HostArena`, whose slabs stay allocated for the next cycle and are not
+rounded up per tensor as torch's pinned allocator would) and resized to 0 bytes; on reload it is
+resized back and refilled. Every tensor that views it (DDP's
 contiguous param/grad buffers, the params and ``main_grad`` views into them, the distributed
 optimizer's shards, Adam's ``exp_avg``/``exp_avg_sq``) stays the same object and is valid again
 after the reload, so megatron's buffers, buckets and optimizer need no re-wiring.

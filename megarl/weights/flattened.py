@@ -338,14 +338,14 @@ def shm_managed(call: Callable[[], Any]) -> Any:
     :data:`SHM_MANAGER_ATTEMPTS` times) when the manager did not answer: it answers within 1 s
     or the connection "has timed out" (libshm), and on a loaded machine it may not be scheduled
     in time; the step fails before it maps or releases anything. Other errors are raised."""
-    for attempt in range(SHM_MANAGER_ATTEMPTS):
+    for attempt in range(1, SHM_MANAGER_ATTEMPTS):
         try:
             return call()
         except RuntimeError as err:
-            if "Shared memory manager" not in str(err) or attempt + 1 == SHM_MANAGER_ATTEMPTS:
+            if "Shared memory manager" not in str(err):
                 raise
-            time.sleep(0.1 * (attempt + 1))
-    raise AssertionError("unreachable")
+            time.sleep(0.1 * attempt)
+    return call()
 
 
 def _rebuild_storage_empty(cls: Any) -> Any:
