@@ -44,6 +44,7 @@ from megatron.core.utils import divide
 
 from megarl.megatron.context_parallel import context_parallel_attention
 from megarl.megatron.native_ops import flash_varlen_attention, flash_varlen_supported, rms_norm
+from megarl.megatron.wgrad_fusion import add_expert_grads
 
 
 def param_device(config: TransformerConfig) -> torch.device | str:
@@ -297,18 +298,20 @@ def _grouped_mm_supported(x: torch.Tensor, weight_t: torch.Tensor) -> bool:
 
 def grouped_linear(
     x: torch.Tensor, weights: Sequence[torch.Tensor] | torch.Tensor,
-    m_splits: Sequence[int] | torch.Tensor
+    m_splits: Sequence[int] | torch.Tensor, fuse_wgrad: bool = False
 ) -> torch.Tensor:
     """``cat([x_k @ W_k^T])`` for row blocks ``x_k`` of sizes ``m_splits`` (``weights``: a list,
     or stacked ``[E, out, in]``); one grouped GEMM when ``torch._grouped_mm`` supports the
     operands, a loop of ``F.linear`` otherwise. ``m_splits`` may be a tensor on ``x``'s device:
-    the grouped GEMM then runs without host synchronisation."""
+    the grouped GEMM then runs without host synchronisation. ``fuse_wgrad`` (a list of weights
+    under megatron's DDP): the backward adds the weight gradients into their ``main_grad``
+    (:func:`~megarl.megatron.wgrad_fusion.add_expert_grads`)."""
     first = weights if isinstance(weights, torch.Tensor) else weights[0]
     if _grouped_mm_supported(x, first.transpose(-2, -1)):
         sizes = torch.as_tensor(m_splits, device=x.device)
         offs = sizes.cumsum(0).to(torch.int32)
         if not isinstance(weights, torch.Tensor):
-            return _GroupedMM.apply(x, offs, *weights)
+            return _GroupedMM.apply(x, offs, fuse_wgrad, *weights)
         out = torch._grouped_mm(x, weights.transpose(1, 2), offs=offs)
         if out.requires_grad:
             # the grouped GEMM backward needs a dense gradient (e.g. not one from expand())
@@ -336,11 +339,13 @@ class _GroupedMM(torch.autograd.Function):
     again, one layer at a time, and returns each expert's gradient as a view of one grouped
     GEMM's output, as torch's own backward of ``_grouped_mm`` computes them. A forward that a
     full recompute re-runs inside the backward keeps its stacked copy: this layer's backward
-    follows at once, so the copy lives no longer and the second stack is saved."""
+    follows at once, so the copy lives no longer and the second stack is saved. With
+    ``fuse_wgrad`` the weight gradients go straight into DDP's ``main_grad`` buffers."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, offs: torch.Tensor,
+    def forward(ctx: Any, x: torch.Tensor, offs: torch.Tensor, fuse_wgrad: bool,
                 *weights: torch.Tensor) -> torch.Tensor:
+        ctx.fuse_wgrad = fuse_wgrad
         stacked = torch.stack(weights)
         keep = _in_backward()  # a recompute's forward (megatron's checkpoint is reentrant)
         # the parameters themselves (no copy), and the stacked copy only where it dies soon
@@ -358,14 +363,21 @@ class _GroupedMM(torch.autograd.Function):
             grad_x = torch._grouped_mm(grad, stacked, offs=offs)
         del stacked
         grad_weights: list[torch.Tensor | None] = [None] * len(weights)
-        if any(ctx.needs_input_grad[2:]):  # x_e^T g_e for each expert's rows: [E, in, out]
-            per_expert = torch._grouped_mm(x.t(), grad, offs=offs)
-            # an expert no row chose has a zero gradient, whatever the kernel leaves there
-            rows = torch.diff(offs, prepend=offs.new_zeros(1))
-            per_expert = per_expert.masked_fill_((rows == 0)[:, None, None], 0).unbind(0)
+        needs = ctx.needs_input_grad[3:]
+        # an expert no row chose has a zero gradient, whatever the kernel leaves there
+        unused = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0)[:, None, None]
+        # (a graphed bucket's backward differentiates leaf copies: no main_grad there)
+        if ctx.fuse_wgrad and all(needs) and all(hasattr(w, "main_grad") for w in weights):
+            # g_e^T x_e in the weights' layout: [E, out, in]
+            per_expert = torch._grouped_mm(grad.t(), x, offs=offs).masked_fill_(unused, 0)
+            add_expert_grads(weights, per_expert)
+            # none for autograd: no per-expert AccumulateGrad copy and DDP hook (which, without
+            # overlap_grad_reduce, only adds a gradient it is handed)
+        elif any(needs):  # x_e^T g_e for each expert's rows: [E, in, out]
+            per_expert = torch._grouped_mm(x.t(), grad, offs=offs).masked_fill_(unused, 0)
             grad_weights = [g.t() if need else None
-                            for g, need in zip(per_expert, ctx.needs_input_grad[2:])]
-        return grad_x, None, *grad_weights
+                            for g, need in zip(per_expert.unbind(0), needs)]
+        return grad_x, None, None, *grad_weights
 
 
 class _GroupedLinear(MegatronModule):
@@ -373,6 +385,9 @@ class _GroupedLinear(MegatronModule):
     token dispatcher moves tokens across EP/ETP ranks, as with TE's grouped linear)."""
 
     parallel_mode: str = ""
+    fuse_wgrad: bool = False
+    """Add the weight gradients into DDP's ``main_grad`` in the backward (set by
+    :func:`~megarl.megatron.wgrad_fusion.fuse_weight_gradients`)."""
 
     def __init__(
         self,
@@ -486,7 +501,7 @@ class _GroupedLinear(MegatronModule):
     def forward(self, x: torch.Tensor, m_splits: Sequence[int] | torch.Tensor):
         """Apply expert ``k``'s weight to the ``k``-th block of rows (``m_splits``: a list, or a
         tensor on the device); returns (output, bias)."""
-        out = grouped_linear(x, self._weights(), m_splits)
+        out = grouped_linear(x, self._weights(), m_splits, self.fuse_wgrad)
         if not self.use_bias:
             return out, None
         if self.skip_bias_add:

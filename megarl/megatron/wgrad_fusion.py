@@ -9,12 +9,19 @@ forward + backward went to ``add_``). Here the same accumulation is one cuBLAS G
 and an fp32 output (``torch.addmm``'s ``out_dtype``), given to megatron's linear layers in the
 extension's place; :func:`accumulate_weight_grad` is also what the chunked output layer
 (:mod:`~megarl.megatron.output_log_probs`) adds its weight gradient with.
+
+The grouped expert layers of the native spec (one ``weight{k}`` parameter per expert) get their
+weight gradients from one grouped GEMM; unfused, DDP's hook then adds each expert's (transposed)
+slice of it into that expert's ``main_grad``, one kernel and one hook per expert and micro-batch.
+Fused (:func:`add_expert_grads`), the GEMM writes them in the parameters' layout and one add puts
+all of them into DDP's buffer, which holds a layer's experts back to back.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -65,6 +72,42 @@ def accumulates_into(weight: torch.Tensor) -> bool:
     return main_grad.dtype == weight.dtype or (weight.is_cuda and _works_here())
 
 
+def stacked_main_grads(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool] | None:
+    """The ``main_grad`` buffers of ``weights`` (same shape) as one ``[E, *shape]`` view when
+    DDP laid them out back to back, and whether in reverse order (megatron fills its buffer from
+    the last parameter); None when they are not."""
+    grads = [getattr(w, "main_grad", None) for w in weights]
+    first = grads[0]
+    if first is None or not all(
+            g is not None and g.shape == first.shape and g.dtype == first.dtype
+            and g.is_contiguous() and g.device == first.device
+            and g.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            for g in grads):
+        return None
+    n, offsets = first.numel(), [g.storage_offset() for g in grads]
+    shape, strides = (len(grads), *first.shape), (n, *first.stride())
+    if all(b - a == n for a, b in itertools.pairwise(offsets)):
+        return first.as_strided(shape, strides, offsets[0]), False
+    if all(a - b == n for a, b in itertools.pairwise(offsets)):
+        return grads[-1].as_strided(shape, strides, offsets[-1]), True
+    return None
+
+
+def add_expert_grads(weights: Sequence[torch.Tensor], per_expert: torch.Tensor) -> None:
+    """``weights[k].main_grad += per_expert[k]`` for every expert ``k`` (``per_expert``:
+    ``[E, out, in]`` in the weights' layout), as one add where DDP's buffer holds the experts
+    back to back, and mark each as added (DDP's hook then skips the gradient it is handed)."""
+    stacked = stacked_main_grads(weights)
+    if stacked is None:
+        for weight, grad in zip(weights, per_expert.unbind(0), strict=True):
+            weight.main_grad.add_(grad)
+    else:
+        view, reverse = stacked
+        view.add_(per_expert.flip(0) if reverse else per_expert)
+    for weight in weights:
+        weight.grad_added_to_main_grad = True
+
+
 class _Extension:
     """The two functions megatron's linear layers call of ``fused_weight_gradient_mlp_cuda``."""
 
@@ -77,24 +120,39 @@ class _Extension:
 
 
 def fuse_weight_gradients(chunks: Iterable[torch.nn.Module]) -> int:
-    """Make the Column/RowParallelLinear layers of DDP-wrapped ``chunks`` (whose weights have a
-    ``main_grad``) accumulate their weight gradients into it; returns the layers switched.
+    """Make the linear layers of DDP-wrapped ``chunks`` (whose weights have a ``main_grad``)
+    accumulate their weight gradients into it; returns the layers switched.
 
-    CUDA only (megatron's fused path allocates its placeholder gradients there). Layers without a
-    weight of their own (a tied output layer: the embedding's gradient arrives in the same
-    accumulation, which a placeholder would spoil) and frozen weights are left alone; so are CUDA
-    graphs, whose captured backward would keep the buffer's address across offloads (the caller
-    does not switch them on). Where apex's extension is installed, megatron uses it unchanged.
+    The native spec's grouped expert layers switch on any device (:func:`add_expert_grads`),
+    under a DDP without ``overlap_grad_reduce``.
+    megatron's Column/RowParallelLinear layers on CUDA only (megatron's fused path allocates its
+    placeholder gradients there). Layers without a weight of their own (a tied output layer: the
+    embedding's gradient arrives in the same accumulation, which a placeholder would spoil) and
+    frozen weights are left alone; so are CUDA graphs, whose captured backward would keep the
+    buffer's address across offloads (the caller does not switch them on). Where apex's
+    extension is installed, megatron uses it unchanged.
     """
+    from megarl.megatron.native_modules import _GroupedLinear
+
+    chunks = list(chunks)
+    switched = 0
+    for chunk in chunks:
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is None or ddp_config.overlap_grad_reduce:
+            continue  # the grouped path hands autograd no gradient: DDP's hook must not wait
+        for module in chunk.modules():
+            if isinstance(module, _GroupedLinear) and all(
+                    w.requires_grad and hasattr(w, "main_grad") for w in module._weights()):
+                module.fuse_wgrad = True
+                switched += 1
     if not torch.cuda.is_available() or not _works_here():
-        return 0
+        return switched
     from megatron.core.tensor_parallel import layers
 
     if not getattr(layers, "_grad_accum_fusion_available", False) or not hasattr(
             layers, "fused_weight_gradient_mlp_cuda"):
         layers.fused_weight_gradient_mlp_cuda = _Extension
         layers._grad_accum_fusion_available = True
-    switched = 0
     for chunk in chunks:
         for module in chunk.modules():
             weight = getattr(module, "weight", None)

@@ -51,16 +51,23 @@ def _one_step(model_dir, fuse: bool) -> dict:
             "params": {n: p.detach().float().clone() for n, p in params.items()}}
 
 
-def test_an_update_with_fused_weight_gradients_matches_the_unfused_one(tmp_path, megatron_rank):
+MOE = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_an_update_with_fused_weight_gradients_matches_the_unfused_one(tmp_path, megatron_rank,
+                                                                        arch):
+    """qwen3_moe: the grouped expert GEMMs add their weight gradients into DDP's buffer too."""
     from megarl.megatron.parallel import destroy_parallel
 
-    model_dir = make_tiny_model(tmp_path / "m", arch="qwen3", seed=0, hidden_size=256,
+    model_dir = make_tiny_model(tmp_path / "m", arch=arch, seed=0, hidden_size=256,
                                 intermediate_size=512, num_hidden_layers=2,
-                                tie_word_embeddings=False)
+                                tie_word_embeddings=False, **(MOE if arch == "qwen3_moe" else {}))
     plain = _one_step(model_dir, fuse=False)
     destroy_parallel()
     fused = _one_step(model_dir, fuse=True)
-    # qkv, proj, fc1, fc2 a layer and the output layer (its own weight: untied)
+    # qkv, proj, fc1, fc2 (grouped: the experts' fc1 and fc2) a layer and the output layer (its
+    # own weight: untied)
     assert plain["layers"] == 0 and fused["layers"] == 2 * 4 + 1
     assert fused["metrics"]["actor/grad_norm"] == pytest.approx(
         plain["metrics"]["actor/grad_norm"], rel=1e-2)

@@ -38,3 +38,58 @@ def test_the_output_layer_fuses_only_where_the_accumulation_runs():
     half = torch.nn.Parameter(torch.zeros(4, 3, dtype=torch.bfloat16))
     half.main_grad = torch.zeros(4, 3)
     assert not accumulates_into(half)  # bf16 into fp32 needs the GPU's out_dtype GEMM
+
+
+def _experts(buffer_order: str, experts: int = 4, out: int = 8, inp: int = 4):
+    """Expert weights whose ``main_grad`` are views of one buffer, laid out as megatron's DDP
+    does (``reverse``: the last parameter first), or apart (``apart``)."""
+    g = torch.Generator().manual_seed(1)
+    weights = [torch.nn.Parameter(torch.randn(out, inp, generator=g)) for _ in range(experts)]
+    buffer = torch.randn(experts * out * inp + 16, generator=g)  # what earlier steps added
+    n = out * inp
+    for k, w in enumerate(weights):
+        slot = {"forward": k, "reverse": experts - 1 - k}.get(buffer_order)
+        w.main_grad = (buffer[8 + slot * n: 8 + (slot + 1) * n].view(out, inp)
+                       if slot is not None else torch.randn(out, inp, generator=g))
+    return weights
+
+
+def test_expert_weight_gradients_are_added_into_the_ddp_buffer_in_one_view():
+    from megarl.megatron.wgrad_fusion import stacked_main_grads
+
+    for order, reverse in (("forward", False), ("reverse", True)):
+        weights = _experts(order)
+        view, got_reverse = stacked_main_grads(weights)
+        assert got_reverse is reverse
+        for k, w in enumerate(weights):
+            assert torch.equal(view[len(weights) - 1 - k if reverse else k], w.main_grad)
+    assert stacked_main_grads(_experts("apart")) is None
+
+
+def test_the_fused_grouped_gemm_backward_adds_each_experts_gradient_once():
+    """The native spec's grouped expert GEMM with ``fuse_wgrad``: every expert's ``main_grad``
+    grows by exactly ``g_e^T x_e`` (an expert no row chose by zero), autograd gets no weight
+    gradient (DDP's hook would add it a second time), and the input gradient is unchanged;
+    in DDP's reverse layout, in one forward layout and with buffers apart."""
+    from megarl.megatron.native_modules import grouped_linear
+
+    splits = torch.tensor([5, 0, 3, 8])
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 4, generator=g)
+    grad_out = torch.randn(16, 8, generator=g)
+    for order in ("reverse", "forward", "apart"):
+        weights = _experts(order)
+        before = [w.main_grad.clone() for w in weights]
+        xs = [x.clone().requires_grad_() for _ in range(2)]
+        grouped_linear(xs[0], weights, splits, fuse_wgrad=True).backward(grad_out)
+        assert all(w.grad is None for w in weights)
+        for k, (w, rows) in enumerate(zip(weights, x.split(splits.tolist()), strict=True)):
+            want = before[k] + grad_out.split(splits.tolist())[k].t() @ rows
+            torch.testing.assert_close(w.main_grad, want, rtol=1e-5, atol=1e-5)
+            assert w.grad_added_to_main_grad
+        assert torch.equal(weights[1].main_grad, before[1])  # no row chose expert 1
+        # the unfused path: the same input gradient, the weight gradients handed to autograd
+        grouped_linear(xs[1], weights, splits).backward(grad_out)
+        torch.testing.assert_close(xs[0].grad, xs[1].grad)
+        for w, m, b in zip(weights, (w.main_grad for w in weights), before, strict=True):
+            torch.testing.assert_close(w.grad, m - b, rtol=1e-5, atol=1e-5)
