@@ -44,7 +44,7 @@ from megatron.core.utils import divide
 
 from megarl.megatron.context_parallel import context_parallel_attention
 from megarl.megatron.native_ops import flash_varlen_attention, flash_varlen_supported, rms_norm
-from megarl.megatron.wgrad_fusion import add_expert_grads
+from megarl.megatron.wgrad_fusion import add_expert_grads, stacked_view
 
 
 def param_device(config: TransformerConfig) -> torch.device | str:
@@ -323,6 +323,45 @@ def grouped_linear(
     return torch.cat([F.linear(c, w) for c, w in zip(chunks, weights)], dim=0)
 
 
+def _stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The experts' weights as ``[E, out, in]``: a view where they lie back to back in expert
+    order (megatron DDP's parameter buffer), else a stacked copy."""
+    view = stacked_view(weights)
+    return view[0] if view is not None and not view[1] else torch.stack(weights)
+
+
+_EMPTY_GROUPS_ZEROED: dict[str, bool] = {}
+
+
+def _empty_groups_zeroed(device: torch.device) -> bool:
+    """Whether the weight-gradient grouped GEMM (groups along the rows it sums over) writes
+    zeros for a group of no rows on ``device``: on the CPU it multiplies group by group; Hopper's
+    kernel does, and torch issue #172439 reports Blackwell's leaving garbage. Checked once per
+    device type on an output block the allocator held NaNs in just before."""
+    key = str(device.type if device.type == "cpu" else torch.cuda.get_device_name(device))
+    if key not in _EMPTY_GROUPS_ZEROED:
+        g = torch.Generator(device=device).manual_seed(0)
+        x, grad = (torch.randn(48, n, device=device, generator=g).to(torch.bfloat16)
+                   for n in (64, 32))
+        offs = torch.tensor([16, 16, 48, 48], device=device, dtype=torch.int32)
+        ok = True
+        for fill in (float("nan"), 1.0):
+            torch.full((4, 32, 64), fill, device=device, dtype=torch.bfloat16)  # freed at once
+            out = torch._grouped_mm(grad.t(), x, offs=offs)
+            ok = ok and bool((out[1] == 0).all()) and bool((out[3] == 0).all())
+        _EMPTY_GROUPS_ZEROED[key] = ok
+    return _EMPTY_GROUPS_ZEROED[key]
+
+
+def _zero_unused(per_expert: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``per_expert`` with zeros for every expert no row chose (a pass over it only on devices
+    whose kernel may leave garbage there, :func:`_empty_groups_zeroed`)."""
+    if _empty_groups_zeroed(per_expert.device):
+        return per_expert
+    unused = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
+    return per_expert.masked_fill_(unused[:, None, None], 0)
+
+
 def _in_backward() -> bool:
     """Whether autograd is running a backward pass on this thread right now (as when a
     reentrant activation checkpoint recomputes its forward)."""
@@ -346,7 +385,7 @@ class _GroupedMM(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, offs: torch.Tensor, fuse_wgrad: bool,
                 *weights: torch.Tensor) -> torch.Tensor:
         ctx.fuse_wgrad = fuse_wgrad
-        stacked = torch.stack(weights)
+        stacked = _stacked(weights)
         keep = _in_backward()  # a recompute's forward (megatron's checkpoint is reentrant)
         # the parameters themselves (no copy), and the stacked copy only where it dies soon
         ctx.save_for_backward(x, offs, stacked if keep else None, *weights)
@@ -359,22 +398,20 @@ class _GroupedMM(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:  # [M, out] x [E, out, in] -> [M, in]
             if stacked is None:
-                stacked = torch.stack(weights)
+                stacked = _stacked(weights)
             grad_x = torch._grouped_mm(grad, stacked, offs=offs)
         del stacked
         grad_weights: list[torch.Tensor | None] = [None] * len(weights)
         needs = ctx.needs_input_grad[3:]
-        # an expert no row chose has a zero gradient, whatever the kernel leaves there
-        unused = (torch.diff(offs, prepend=offs.new_zeros(1)) == 0)[:, None, None]
         # (a graphed bucket's backward differentiates leaf copies: no main_grad there)
         if ctx.fuse_wgrad and all(needs) and all(hasattr(w, "main_grad") for w in weights):
             # g_e^T x_e in the weights' layout: [E, out, in]
-            per_expert = torch._grouped_mm(grad.t(), x, offs=offs).masked_fill_(unused, 0)
+            per_expert = _zero_unused(torch._grouped_mm(grad.t(), x, offs=offs), offs)
             add_expert_grads(weights, per_expert)
             # none for autograd: no per-expert AccumulateGrad copy and DDP hook (which, without
             # overlap_grad_reduce, only adds a gradient it is handed)
         elif any(needs):  # x_e^T g_e for each expert's rows: [E, in, out]
-            per_expert = torch._grouped_mm(x.t(), grad, offs=offs).masked_fill_(unused, 0)
+            per_expert = _zero_unused(torch._grouped_mm(x.t(), grad, offs=offs), offs)
             grad_weights = [g.t() if need else None
                             for g, need in zip(per_expert.unbind(0), needs)]
         return grad_x, None, None, *grad_weights
@@ -421,12 +458,19 @@ class _GroupedLinear(MegatronModule):
         self.use_bias = bias
         self.pg_collection = pg_collection
         kw = {"dtype": config.params_dtype, "device": param_device(config)}
-        for k in range(num_gemms):
+        weights = []
+        for _ in range(num_gemms):
             weight = torch.nn.Parameter(torch.empty(output_size, input_size, **kw))
             if config.perform_initialization:
                 with get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
                     init_method(weight)
-            self.register_parameter(f"weight{k}", weight)
+            weights.append(weight)
+        # registered last expert first: megatron's DDP lays its parameter and gradient buffers
+        # out in reverse registration order, so expert k's weight and main_grad sit at [k] of
+        # one [E, out, in] view of each buffer (the grouped GEMMs need no stacked copy, the
+        # fused weight gradients no reversed one)
+        for k in reversed(range(num_gemms)):
+            self.register_parameter(f"weight{k}", weights[k])
             if bias:
                 self.register_parameter(
                     f"bias{k}", torch.nn.Parameter(torch.zeros(output_size, **kw))

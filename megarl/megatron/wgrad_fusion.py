@@ -72,25 +72,29 @@ def accumulates_into(weight: torch.Tensor) -> bool:
     return main_grad.dtype == weight.dtype or (weight.is_cuda and _works_here())
 
 
-def stacked_main_grads(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool] | None:
-    """The ``main_grad`` buffers of ``weights`` (same shape) as one ``[E, *shape]`` view when
-    DDP laid them out back to back, and whether in reverse order (megatron fills its buffer from
-    the last parameter); None when they are not."""
-    grads = [getattr(w, "main_grad", None) for w in weights]
-    first = grads[0]
-    if first is None or not all(
-            g is not None and g.shape == first.shape and g.dtype == first.dtype
-            and g.is_contiguous() and g.device == first.device
-            and g.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-            for g in grads):
+def stacked_view(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool] | None:
+    """``tensors`` (same shape, dtype and storage, each contiguous) as one ``[E, *shape]`` view
+    when they lie back to back, and whether in reverse order; None when they do not."""
+    first = tensors[0]
+    if not all(t is not None and t.shape == first.shape and t.dtype == first.dtype
+               and t.is_contiguous() and t.device == first.device
+               and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               for t in tensors):
         return None
-    n, offsets = first.numel(), [g.storage_offset() for g in grads]
-    shape, strides = (len(grads), *first.shape), (n, *first.stride())
+    n, offsets = first.numel(), [t.storage_offset() for t in tensors]
+    shape, strides = (len(tensors), *first.shape), (n, *first.stride())
     if all(b - a == n for a, b in itertools.pairwise(offsets)):
         return first.as_strided(shape, strides, offsets[0]), False
     if all(a - b == n for a, b in itertools.pairwise(offsets)):
-        return grads[-1].as_strided(shape, strides, offsets[-1]), True
+        return tensors[-1].as_strided(shape, strides, offsets[-1]), True
     return None
+
+
+def stacked_main_grads(weights: Sequence[torch.Tensor]) -> tuple[torch.Tensor, bool] | None:
+    """The ``main_grad`` buffers of ``weights`` as one :func:`stacked_view` (DDP lays out a
+    grouped layer's experts back to back); None when they are not."""
+    grads = [getattr(w, "main_grad", None) for w in weights]
+    return None if any(g is None for g in grads) else stacked_view(grads)
 
 
 def add_expert_grads(weights: Sequence[torch.Tensor], per_expert: torch.Tensor) -> None:

@@ -120,3 +120,38 @@ def test_local_dispatcher_matches_megatron_permute_and_unpermute():
     out = d.combine_postprocess(d.token_combine(d.combine_preprocess(y)))
     ref_out = unpermute(y, mapping, restore_shape=flat.shape, routing_map=routing_map)
     torch.testing.assert_close(out, ref_out.view(x.shape), rtol=1e-6, atol=1e-6)
+
+
+def test_local_dispatcher_gradients_match_megatron_permute_and_unpermute():
+    """Both directions' backward (gathers, no atomic scatter) equals autograd through
+    megatron's ``permute`` / ``unpermute`` (tokens with repeated experts, an unused expert)."""
+    from megatron.core.transformer.moe.moe_utils import permute, unpermute
+
+    from megarl.megatron.native_layers import LocalTokenDispatcher
+
+    g = torch.Generator().manual_seed(5)
+    tokens, experts, top_k, hidden = 11, 6, 3, 4
+    picks = torch.rand(tokens, experts - 1, generator=g).topk(top_k, dim=-1).indices
+    routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, picks, True)
+    probs = torch.rand(tokens, experts, generator=g) * routing_map
+    x = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+    w = torch.randn(tokens * top_k, hidden, generator=g, dtype=torch.float64)
+    v = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+
+    def through(ours: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        leaf = x.clone().requires_grad_()
+        if ours:
+            d = LocalTokenDispatcher(top_k)
+            flat, _ = d.dispatch_preprocess(leaf, routing_map, probs)
+            rows, _, _ = d.dispatch_postprocess(flat, probs)
+            out = d.combine_preprocess(rows * w)
+        else:
+            rows, _, mapping = permute(leaf, routing_map, num_out_tokens=tokens * top_k)
+            out = unpermute(rows * w, mapping, restore_shape=leaf.shape, routing_map=routing_map)
+        (out * v).sum().backward()
+        return out.detach(), leaf.grad
+
+    (ours, ours_grad), (ref, ref_grad) = through(True), through(False)
+    torch.testing.assert_close(ours, ref)
+    torch.testing.assert_close(ours_grad, ref_grad)
+    assert not torch.equal(ours_grad, torch.zeros_like(ours_grad))

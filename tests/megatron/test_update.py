@@ -264,6 +264,41 @@ def test_single_rank_sgd(pool1, tiny_models, batches, sgd_references, budget):
     assert_same_update(results, sgd_references["qwen3"])
 
 
+def expert_layout_on_rank(model_dir, use_distributed_optimizer):
+    """For each grouped expert layer of a DDP-wrapped actor: whether its weights and their
+    ``main_grad`` are one [E, out, in] view in expert order, and whether its weight gradients
+    are fused."""
+    from megarl.megatron.model import build_actor_model
+    from megarl.megatron.native_modules import _GroupedLinear
+    from megarl.megatron.optimizer import OptimizerSettings, TrainableActor
+    from megarl.megatron.wgrad_fusion import stacked_main_grads, stacked_view
+
+    model = build_actor_model(model_dir, ParallelSizes(), torch.float32)
+    TrainableActor(model, OptimizerSettings(
+        lr=ADAM_LR, optimizer="adam" if use_distributed_optimizer else "sgd",
+        use_distributed_optimizer=use_distributed_optimizer))
+    layout = []
+    for module in model.chunks[0].modules():
+        if isinstance(module, _GroupedLinear):
+            weights = module._weights()
+            params, grads = stacked_view(weights), stacked_main_grads(weights)
+            layout.append((params is not None and not params[1],
+                           grads is not None and not grads[1], module.fuse_wgrad))
+    return layout
+
+
+def test_ddp_lays_out_each_expert_layer_as_one_tensor_in_expert_order(pool1, tiny_models):
+    """The grouped GEMMs take the experts' weights as a view of DDP's parameter buffer (with
+    the distributed optimizer) and add the weight gradients through one view of its gradient
+    buffer, in expert order (no stacked or reversed copy)."""
+    sharded, = pool1.run(expert_layout_on_rank, tiny_models["qwen3_moe"], True)
+    plain, = pool1.run(expert_layout_on_rank, tiny_models["qwen3_moe"], False)
+    assert len(sharded) == 2 * 2  # fc1 and fc2 of two layers
+    assert sharded == [(True, True, True)] * 4
+    # without a parameter buffer each weight keeps its own tensor: stacked per GEMM
+    assert plain == [(False, True, True)] * 4
+
+
 UPDATE_LAYOUTS = [
     ("qwen3", ParallelSizes(tp=2), {"budget": 16}),
     ("qwen3", ParallelSizes(pp=2), {"budget": 16}),
