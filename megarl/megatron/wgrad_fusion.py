@@ -136,8 +136,6 @@ def fuse_weight_gradients(chunks: Iterable[torch.nn.Module]) -> int:
     buffer's address across offloads (the caller does not switch them on). Where apex's
     extension is installed, megatron uses it unchanged.
     """
-    from megarl.megatron.native_modules import _GroupedLinear
-
     chunks = list(chunks)
     switched = 0
     for chunk in chunks:
@@ -145,7 +143,8 @@ def fuse_weight_gradients(chunks: Iterable[torch.nn.Module]) -> int:
         if ddp_config is None or ddp_config.overlap_grad_reduce:
             continue  # the grouped path hands autograd no gradient: DDP's hook must not wait
         for module in chunk.modules():
-            if isinstance(module, _GroupedLinear) and all(
+            # native_modules' grouped linear layers: a fuse_wgrad flag and their weights
+            if isinstance(getattr(module, "fuse_wgrad", None), bool) and all(
                     w.requires_grad and hasattr(w, "main_grad") for w in module._weights()):
                 module.fuse_wgrad = True
                 switched += 1
