@@ -46,6 +46,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from megarl.megatron.native_layers import clear_rotary_tables
 from megarl.megatron.packing import PackedBatch
+from megarl.megatron.wgrad_fusion import unfuse_weight_gradients
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class GraphedChunk:
         # sets .grad to None), so the graph's static gradient can be given to autograd as is;
         # otherwise autograd would keep it as .grad and the next replay would overwrite it
         self._alias_grads = all(hasattr(p, "main_grad") for p in self.params)
+        # the graphed backward differentiates leaf copies: no main_grad to accumulate into
+        unfuse_weight_gradients(self.module)
 
     # ----- shapes -----
     def bucket_of(self, batch: PackedBatch) -> tuple[int, int]:

@@ -165,3 +165,20 @@ def fuse_weight_gradients(chunks: Iterable[torch.nn.Module]) -> int:
                 module.gradient_accumulation_fusion = True
                 switched += 1
     return switched
+
+
+def unfuse_weight_gradients(chunk: torch.nn.Module) -> int:
+    """Switch every layer of ``chunk`` that :func:`fuse_weight_gradients` switched back to
+    handing its weight gradients to autograd; returns how many were fused. A CUDA graph of the
+    chunk (:class:`~megarl.megatron.cuda_graphs.GraphedChunk`) differentiates leaf copies of the
+    weights, which have no ``main_grad`` to add into."""
+    from megatron.core.tensor_parallel import layers
+
+    switched = 0
+    for module in chunk.modules():
+        linear = isinstance(module, layers.ColumnParallelLinear | layers.RowParallelLinear)
+        flag = "gradient_accumulation_fusion" if linear else "fuse_wgrad"
+        if getattr(module, flag, None) is True:
+            setattr(module, flag, False)
+            switched += 1
+    return switched

@@ -93,3 +93,25 @@ def test_the_fused_grouped_gemm_backward_adds_each_experts_gradient_once():
         torch.testing.assert_close(xs[0].grad, xs[1].grad)
         for w, m, b in zip(weights, (w.main_grad for w in weights), before, strict=True):
             torch.testing.assert_close(w.grad, m - b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cuda_graph_of_the_chunk_switches_the_fused_layers_back():
+    """GraphedChunk differentiates leaf copies of the weights (no main_grad): the layers that
+    fuse_weight_gradients switched hand their gradients to autograd again."""
+    from megatron.core.tensor_parallel import layers
+
+    from megarl.megatron.cuda_graphs import GraphedChunk
+    from megarl.megatron.wgrad_fusion import unfuse_weight_gradients
+
+    class Grouped(torch.nn.Module):
+        fuse_wgrad = False
+
+    chunk = torch.nn.Sequential(Grouped(), Grouped(), torch.nn.Linear(2, 2))
+    chunk[0].fuse_wgrad = True
+    linear = layers.ColumnParallelLinear.__new__(layers.ColumnParallelLinear)
+    torch.nn.Module.__init__(linear)
+    linear.gradient_accumulation_fusion = True
+    chunk.append(linear)
+    GraphedChunk(chunk, emulate=True)
+    assert not chunk[0].fuse_wgrad and not linear.gradient_accumulation_fusion
+    assert unfuse_weight_gradients(chunk) == 0
