@@ -338,7 +338,7 @@ def _empty_groups_zeroed(device: torch.device) -> bool:
     zeros for a group of no rows on ``device``: on the CPU it multiplies group by group; Hopper's
     kernel does, and torch issue #172439 reports Blackwell's leaving garbage. Checked once per
     device type on an output block the allocator held NaNs in just before."""
-    key = str(device.type if device.type == "cpu" else torch.cuda.get_device_name(device))
+    key = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
     if key not in _EMPTY_GROUPS_ZEROED:
         g = torch.Generator(device=device).manual_seed(0)
         x, grad = (torch.randn(48, n, device=device, generator=g).to(torch.bfloat16)
@@ -355,8 +355,12 @@ def _empty_groups_zeroed(device: torch.device) -> bool:
 
 def _zero_unused(per_expert: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     """``per_expert`` with zeros for every expert no row chose (a pass over it only on devices
-    whose kernel may leave garbage there, :func:`_empty_groups_zeroed`)."""
-    if _empty_groups_zeroed(per_expert.device):
+    whose kernel may leave garbage there, :func:`_empty_groups_zeroed`; inside a CUDA graph
+    capture, which the check's host read would break, unless checked before)."""
+    capturing = per_expert.is_cuda and torch.cuda.is_current_stream_capturing()
+    key = "cpu" if not per_expert.is_cuda else torch.cuda.get_device_name(per_expert.device)
+    if (_EMPTY_GROUPS_ZEROED.get(key, False) if capturing
+            else _empty_groups_zeroed(per_expert.device)):
         return per_expert
     unused = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
     return per_expert.masked_fill_(unused[:, None, None], 0)

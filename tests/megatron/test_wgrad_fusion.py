@@ -115,3 +115,21 @@ def test_a_cuda_graph_of_the_chunk_switches_the_fused_layers_back():
     GraphedChunk(chunk, emulate=True)
     assert not chunk[0].fuse_wgrad and not linear.gradient_accumulation_fusion
     assert unfuse_weight_gradients(chunk) == 0
+
+
+def test_experts_no_row_chose_get_zero_gradients_where_the_kernel_is_unchecked(monkeypatch):
+    """Where the grouped GEMM has not been checked to write zeros for empty groups (here: its
+    result claimed unknown and the check unavailable, as inside a CUDA graph capture), the
+    backward zeroes those experts' gradients itself; a checked device skips the pass."""
+    from megarl.megatron import native_modules
+
+    per_expert = torch.full((3, 2, 2), float("nan"))
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32)  # expert 1 has no row
+    monkeypatch.setattr(native_modules, "_empty_groups_zeroed", lambda device: False)
+    out = native_modules._zero_unused(per_expert.clone(), offs)
+    assert torch.equal(out[1], torch.zeros(2, 2)) and out[0].isnan().all()
+    monkeypatch.setattr(native_modules, "_empty_groups_zeroed", lambda device: True)
+    assert native_modules._zero_unused(per_expert.clone(), offs)[1].isnan().all()
+    monkeypatch.undo()
+    # the CPU's grouped GEMM multiplies group by group: an empty group's product is zero
+    assert native_modules._empty_groups_zeroed(torch.device("cpu"))
