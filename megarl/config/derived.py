@@ -142,7 +142,8 @@ def engine_share(cfg: RunConfig, model: ModelInfo, engine_resident: int = 0
     FP8 with ``rollout.quantization=fp8``."""
     dtype = cfg.rollout.dtype or cfg.model.dtype
     tp = cfg.rollout.gpus_per_engine
-    weights = math.ceil(model.weight_bytes(dtype, cfg.rollout.quantization) / tp)
+    weights = math.ceil(model.weight_bytes(dtype, cfg.rollout.quantization,
+                                           cfg.rollout.fp8_attention) / tp)
     per_seq = model.kv_bytes_per_token(dtype, tp) * (
         cfg.data.max_prompt_length + cfg.data.max_response_length)
     mem_gb = cfg.resources.gpu_memory_gb

@@ -119,20 +119,23 @@ class ModelInfo:
         return (self.embedding_params() + self.num_layers * self.attention_params()
                 + n_dense * dense_mlp + self.moe_layers * moe_mlp)
 
-    def fp8_params(self) -> int:
-        """Parameters a block-FP8 checkpoint stores in FP8: every projection of attention, MLPs,
-        routed and shared experts; not the embeddings, the output layer or the routers."""
+    def fp8_params(self, attention: bool = True) -> int:
+        """Parameters a block-FP8 checkpoint stores in FP8: every projection of attention
+        (unless ``attention`` is false: ``rollout.fp8_attention``), MLPs, routed and shared
+        experts; not the embeddings, the output layer or the routers."""
+        kept = 0 if attention else self.num_layers * self.attention_params()
         return (self.param_count() - self.embedding_params()
-                - self.moe_layers * self.hidden_size * self.num_experts)
+                - self.moe_layers * self.hidden_size * self.num_experts - kept)
 
-    def weight_bytes(self, dtype: str, quantization: str | None = None) -> float:
+    def weight_bytes(self, dtype: str, quantization: str | None = None,
+                     fp8_attention: bool = True) -> float:
         """Bytes of one whole copy of the weights: ``dtype``, or with ``quantization="fp8"``
-        every projection in e4m3 with an fp32 scale per 128x128 block and the rest in
-        ``dtype``."""
+        every projection (the attention's only with ``fp8_attention``) in e4m3 with an fp32
+        scale per 128x128 block and the rest in ``dtype``."""
         total = self.param_count()
         if quantization != "fp8":
             return total * DTYPE_BYTES[dtype]
-        fp8 = self.fp8_params()
+        fp8 = self.fp8_params(fp8_attention)
         return fp8 * (1 + 4 / (128 * 128)) + (total - fp8) * DTYPE_BYTES[dtype]
 
     def kv_bytes_per_token(self, dtype: str, tp: int = 1) -> int:

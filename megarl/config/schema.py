@@ -104,6 +104,12 @@ class RolloutConfig(Section):
         "whole 128-blocks per GPU). With fp8, "
         "algorithm.rollout_correction.rollout_is defaults to token and the health monitor's "
         "mismatch alarm to the FP8 baseline"))
+    fp8_attention: bool = Field(True, description=(
+        "with rollout.quantization=fp8: false keeps the attention projections (q/k/v/o, MLA's "
+        "down/up projections) in `rollout.dtype` and quantizes only the MLPs and experts "
+        "(config.json's `ignored_layers: [self_attn]`, which SGLang honours); at small batch "
+        "sizes an FP8 GEMM with its activation quantization can be slower than bf16's "
+        "(benchmarks/RESULTS.md). Refused without rollout.quantization=fp8"))
     load_format: Literal["auto", "dummy"] = Field("auto", description=(
         "how the engines get their first weights (SGLang's --load-format): auto = they read "
         "`model.path`'s safetensors; dummy = they build the model from its config.json alone, "

@@ -179,6 +179,16 @@ def _check_rs_bounds(criterion: str, lower: float | None, upper: float,
                       "1; this looks like verl's convention", verl_fix)
 
 
+def check_fp8_attention(ctx: Context) -> Iterator[Problem]:
+    """``rollout.fp8_attention`` chooses what an FP8 engine quantizes: nothing without FP8."""
+    rollout = ctx.cfg.rollout
+    if not rollout.fp8_attention and rollout.quantization != "fp8":
+        yield error(("rollout.fp8_attention", "rollout.quantization"), "keeps the attention "
+                    "projections out of FP8, but the engines do not quantize "
+                    f"(rollout.quantization={rollout.quantization})",
+                    "set rollout.quantization=fp8, or remove rollout.fp8_attention")
+
+
 def check_router_replay(ctx: Context) -> Iterator[Problem]:
     """Router replay needs a MoE model; R3 needs the engines to return their routes."""
     cfg, model = ctx.cfg, ctx.model

@@ -59,6 +59,9 @@ class EngineSpec:
     quantization: str | None = None
     """``fp8``: the engine holds its projections in block FP8 (``rollout.quantization``;
     docs/fp8.md); SGLang starts from dummy weights, which the trainer's first sync replaces."""
+    fp8_ignored: tuple[str, ...] = ()
+    """Modules an FP8 engine keeps in its dtype (``rollout.fp8_attention``): the embedded
+    server's ``--fp8-ignored-layers``, SGLang's config.json ``ignored_layers``."""
 
 
 def local_engine_args(spec: EngineSpec) -> list[str]:
@@ -68,6 +71,8 @@ def local_engine_args(spec: EngineSpec) -> list[str]:
         extra.append("--trust-remote-code")
     if spec.quantization:
         extra += ["--quantization", spec.quantization]
+    if spec.fp8_ignored:
+        extra += ["--fp8-ignored-layers", *spec.fp8_ignored]
     if spec.load_format != "auto":
         extra += ["--load-format", spec.load_format]
     if spec.enable_lora:  # the adapter sync never resends the base: released weights wait
@@ -97,7 +102,8 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
     load_format = None if spec.load_format == "auto" else spec.load_format
     if spec.quantization == "fp8":  # an FP8-serialized config, weights from the first sync
         model_path = str(fp8_serving_dir(spec.model_path,
-                                         Path(spec.log_dir) / f"fp8_model_engine{rank}"))
+                                         Path(spec.log_dir) / f"fp8_model_engine{rank}",
+                                         ignored=spec.fp8_ignored))
         load_format = "dummy"
     launch = SGLangLaunchConfig(
         model_path=model_path, host=spec.host, port=port, tp_size=spec.gpus_per_engine,

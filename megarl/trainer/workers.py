@@ -39,6 +39,7 @@ from megarl.rollout.server_worker import EngineSpec, RolloutServerWorker, local_
 from megarl.rollout.sglang import SGLangClient
 from megarl.trainer.critic import CriticWorkers, start_critic
 from megarl.weights.flattened import FLATTENED_BUCKET
+from megarl.weights.fp8 import ignored_modules
 from megarl.weights.sglang_sender import BucketSpec, plan_buckets
 
 ACTOR_WORKER = "megarl.megatron.worker:ActorWorker"
@@ -146,6 +147,7 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       colocated=r.colocate, api_key=r.api_key,
                       trust_remote_code=cfg.model.trust_remote_code,
                       quantization=r.quantization, load_format=r.load_format,
+                      fp8_ignored=ignored_modules(r.fp8_attention) if r.quantization else (),
                       enable_lora=adapters,
                       lora_rank=cfg.actor.lora.rank if adapters else 0,
                       lora_modules=hf_leaf_modules(cfg.actor.lora.target_modules)
@@ -256,7 +258,8 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
     timeout = cfg.trainer.phase_timeout_s
     gpus = cfg.rollout.gpus_per_engine
     plan = plan_buckets(actor.execute_all("weight_specs")[0], dtype,
-                        cfg.checkpoint_engine.bucket_size_mb, cfg.rollout.quantization)
+                        cfg.checkpoint_engine.bucket_size_mb, cfg.rollout.quantization,
+                        ignored_modules(cfg.rollout.fp8_attention))
     if weight_sync_backend(cfg) == "ipc":
         sent = [False]  # the plan goes to the ranks once (an MoE plan pickles in milliseconds)
 

@@ -32,6 +32,16 @@ QUANTIZATION_CONFIG: dict = {"quant_method": "fp8", "fmt": "e4m3", "activation_s
                              "weight_block_size": list(BLOCK)}
 """``quantization_config`` of config.json for weights in this format (as DeepSeek-V3 ships it)."""
 
+ATTENTION_MODULE = "self_attn"
+"""The HF module name of every supported architecture's attention block (Qwen, Llama, Mixtral,
+DeepSeek's MLA): what ``rollout.fp8_attention=false`` keeps out of FP8, as config.json's
+``ignored_layers`` entry (SGLang matches it as a substring of the layer names)."""
+
+
+def ignored_modules(fp8_attention: bool = True) -> tuple[str, ...]:
+    """The ``ignored_layers`` of FP8 engines for ``rollout.fp8_attention``."""
+    return () if fp8_attention else (ATTENTION_MODULE,)
+
 QUANTIZED_PROJECTIONS = frozenset({
     "q_proj", "k_proj", "v_proj", "o_proj",  # attention (GQA)
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",  # MLA (o_proj as above)

@@ -70,13 +70,15 @@ BucketSpec = list[tuple[str, list[int], str]]
 
 
 def sent_specs(specs: Sequence[tuple[str, Sequence[int]]], dtype: str,
-               quantization: str | None = None) -> list[BucketSpec]:
+               quantization: str | None = None, ignored: Sequence[str] = ()
+               ) -> list[BucketSpec]:
     """What the engines receive for each exported (name, shape), as one group per tensor: the
     tensor in ``dtype``, or with ``quantization="fp8"`` a weight that FP8 checkpoints quantize
-    as its ``float8_e4m3fn`` weight followed by its fp32 ``weight_scale_inv`` (docs/fp8.md)."""
+    (not in a module named in ``ignored``, the engines' ``ignored_layers``) as its
+    ``float8_e4m3fn`` weight followed by its fp32 ``weight_scale_inv`` (docs/fp8.md)."""
     groups = []
     for name, shape in specs:
-        if quantization == "fp8" and is_quantized_shape(name, shape):
+        if quantization == "fp8" and is_quantized_shape(name, shape, ignored):
             groups.append([(name, list(shape), dtype_name(FP8_DTYPE)),
                            (scale_name(name), list(scale_shape(shape)), "float32")])
         elif quantization not in (None, "fp8"):
@@ -91,7 +93,8 @@ def _entry_bytes(entry: tuple[str, Sequence[int], str]) -> int:
 
 
 def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], dtype: str, bucket_size_mb: float,
-                 quantization: str | None = None) -> list[BucketSpec]:
+                 quantization: str | None = None, ignored: Sequence[str] = ()
+                 ) -> list[BucketSpec]:
     """Group the tensors sent for ``specs`` (:func:`sent_specs`), in export order, into buckets
     of at most ``bucket_size_mb`` (a larger tensor gets a bucket of its own; a weight and its
     scale share one). Raises when a tensor would start at a byte offset its dtype cannot be
@@ -99,7 +102,7 @@ def plan_buckets(specs: Sequence[tuple[str, Sequence[int]]], dtype: str, bucket_
     limit = bucket_size_mb * 2**20
     buckets: list[BucketSpec] = [[]]
     used = 0
-    for group in sent_specs(specs, dtype, quantization):
+    for group in sent_specs(specs, dtype, quantization, ignored):
         size = sum(_entry_bytes(e) for e in group)
         if buckets[-1] and used + size > limit:
             buckets.append([])

@@ -211,6 +211,17 @@ def test_fp8_engines_hold_one_byte_per_projection_weight(tiny_moe_dir):
     assert in_fp8 == pytest.approx(qwen.fp8_params() * (1 + 4 / 128**2)
                                    + (qwen.param_count() - qwen.fp8_params()) * 2)
     assert 0.5 < in_fp8 / bf16 < 0.52
+    # rollout.fp8_attention=false: the attention projections (q, k, v, o) stay in bf16
+    kept, _ = tiny_estimate(tiny_moe_dir, "resources.gpu_memory_gb=0.01",
+                            "rollout.quantization=fp8", "rollout.backend=local",
+                            "rollout.fp8_attention=false")
+    heads, kv_heads, head_dim = 4, 2, 16
+    attention = layers * h * head_dim * (2 * heads + 2 * kv_heads)
+    assert kept.engine.weights == math.ceil((projections - attention) * (1 + 4 / 128**2)
+                                            + (2 * vocab * h + router + attention) * 4)
+    qwen_attention = 48 * 2048 * 128 * (2 * 32 + 2 * 4)  # Qwen3-30B-A3B: 48 layers, GQA 32/4
+    assert qwen.weight_bytes("bfloat16", "fp8", fp8_attention=False) == pytest.approx(
+        in_fp8 + qwen_attention * (2 - 1 - 4 / 128**2))
 
 
 def test_colocated_offload_defaults_and_the_sync_with_param_offload(tiny_moe_dir):

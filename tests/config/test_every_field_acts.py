@@ -324,6 +324,8 @@ FIELDS: dict[str, Row] = {
     "rollout.enable_return_routed_experts": spec("true", "argv"),
     "rollout.dtype": spec("float32", "argv"),
     "rollout.quantization": spec("fp8", "argv", "rollout.backend=local"),
+    "rollout.fp8_attention": spec("false", "argv", "rollout.backend=local",
+                                  "rollout.quantization=fp8"),
     "rollout.load_format": spec("dummy", "argv", "rollout.backend=local"),
     "rollout.api_key": spec("secret", "argv"),
     "rollout.host": spec("127.0.0.2", "argv"),

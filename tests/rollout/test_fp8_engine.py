@@ -253,3 +253,31 @@ def test_the_native_decoder_takes_fp8_models(tmp_path: Path, arch: str):
     assert max(gaps) < 1e-5, gaps
     _, gaps = native_and_hf_runners(tmp_path / "w8a8", "cpu", "float32", decode_steps=4, arch=arch)
     assert max(gaps) < 0.1, gaps
+
+
+def test_an_engine_with_ignored_attention_holds_it_as_the_sync_sends_it(tmp_path: Path):
+    """``fp8_ignored=("self_attn",)`` (``rollout.fp8_attention=false``): the attention
+    projections stay plain linear layers in the model dtype, the MLPs and experts are FP8, and
+    the sync's payload for that setting (``fp8_payload(..., ignored)``, what the plan sends)
+    loads without changing a bit."""
+    from megarl.rollout.local.fp8_layers import Fp8Experts
+    from megarl.weights.fp8 import ignored_modules
+
+    model_dir = make_tiny_model(tmp_path / "m", arch="qwen3_moe", seed=0, with_tokenizer=False)
+    ignored = ignored_modules(fp8_attention=False)
+    runner = ModelRunner(model_dir, quantization="fp8", fp8_ignored=ignored)
+    kinds = {name: type(m) for name, m in runner.model.named_modules()}
+    assert all(kind is torch.nn.Linear for name, kind in kinds.items()
+               if name.endswith(("q_proj", "k_proj", "v_proj", "o_proj")))
+    assert any(kind is Fp8Experts for kind in kinds.values())
+    payload = fp8_payload(dict(iter_safetensors(model_dir)), ignored)
+    assert not any("self_attn" in n and n.endswith("_scale_inv") for n in payload)
+    assert any(".experts." in n and n.endswith("_scale_inv") for n in payload)
+    weights = WeightMap(runner.model)
+    before = {n: weights.view(n).clone() for n in payload}
+    assert weights.load_many(payload.items()) == len(payload)
+    for name, tensor in payload.items():
+        assert before[name].dtype == tensor.dtype, name
+        assert torch.equal(weights.view(name).float(), tensor.float()), name
+    with pytest.raises(ValueError, match="only with quantization=fp8"):
+        ModelRunner(model_dir, fp8_ignored=ignored)

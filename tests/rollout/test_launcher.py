@@ -265,3 +265,35 @@ def test_engines_for_the_adapter_sync_start_with_lora_serving(tmp_path):
     merged, _ = load_config(demo, ["actor.lora.rank=8"])
     assert "--enable-weights-cpu-backup" not in engine_command(engine_spec(merged, tmp_path),
                                                                rank=0, port=9, device="cpu")
+
+
+def test_fp8_engines_keep_the_attention_in_the_model_dtype_when_asked(tmp_path):
+    """``rollout.fp8_attention=false``: SGLang's FP8 config lists the attention in
+    ``ignored_layers`` (what its is_layer_skipped reads), the embedded server gets
+    ``--fp8-ignored-layers self_attn``, and the sync's plan sends those weights unquantized."""
+    import json
+
+    from megarl.config import load_config, validate_config
+    from megarl.data.tiny_model import make_tiny_model
+    from megarl.rollout.server_worker import engine_command
+    from megarl.trainer.workers import engine_spec
+    from megarl.weights.fp8 import QUANTIZATION_CONFIG
+
+    model = make_tiny_model(tmp_path / "model", arch="qwen3_moe")
+    demo = Path(__file__).parents[2] / "configs" / "tiny-moe-cpu.yaml"
+    base = [f"model.path={model}", "rollout.quantization=fp8", "rollout.fp8_attention=false"]
+    sglang, _ = load_config(demo, [*base, "rollout.backend=sglang"])
+    argv = engine_command(engine_spec(sglang, tmp_path), rank=0, port=9, device="cuda")
+    config = json.loads((Path(argv[argv.index("--model-path") + 1]) / "config.json").read_text())
+    assert config["quantization_config"] == {**QUANTIZATION_CONFIG, "ignored_layers": ["self_attn"]}
+    local, _ = load_config(demo, base)
+    argv = engine_command(engine_spec(local, tmp_path), rank=0, port=9, device="cpu")
+    assert argv[argv.index("--fp8-ignored-layers") + 1:][:1] == ["self_attn"]
+    default, _ = load_config(demo, [f"model.path={model}", "rollout.quantization=fp8"])
+    assert "--fp8-ignored-layers" not in engine_command(engine_spec(default, tmp_path), rank=0,
+                                                        port=9, device="cpu")
+    # without FP8 engines the setting has nothing to act on: refused, naming both fields
+    plain, _ = load_config(demo, [f"model.path={model}", "rollout.fp8_attention=false"])
+    errors = [p for p in validate_config(plain, allow_missing_files=True) if p.is_error]
+    assert any("rollout.fp8_attention" in p.fields and "rollout.quantization=fp8" in p.fix
+               for p in errors), errors

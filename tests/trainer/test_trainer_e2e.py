@@ -103,18 +103,22 @@ def test_three_steps_sync_weights_report_every_metric_and_penalise_kl(assets, tm
         assert math.isfinite(metrics["actor/reward_kl_penalty"])
 
 
+@pytest.mark.parametrize("fp8_attention", [True, False])
 def test_fp8_rollout_engine_holds_the_quantized_actor_and_the_mismatch_is_corrected(
-        assets, tmp_path):
+        assets, tmp_path, fp8_attention):
     """``rollout.quantization=fp8`` on the embedded engine: rollout correction turns on by
     default (token-level TIS); after each sync the engine holds exactly the blockwise FP8
     quantization of the actor's export (weights and ``weight_scale_inv``) and every other
     tensor as exported; the engine's FP8 log-probs differ from the fp32 trainer's, by less than
-    the health monitor's FP8 baseline, and the IS weights see that difference."""
-    from megarl.weights.fp8 import fp8_payload
+    the health monitor's FP8 baseline, and the IS weights see that difference. With
+    ``rollout.fp8_attention=false`` the attention projections arrive and stay as exported."""
+    from megarl.weights.fp8 import fp8_payload, ignored_modules
 
     trainer = make_trainer(assets, tmp_path / "fp8", "trainer.total_steps=2",
                            "data.train_batch_size=8", "rollout.n=4",
-                           "actor.ppo_mini_batch_size=8", "rollout.quantization=fp8")
+                           "actor.ppo_mini_batch_size=8", "rollout.quantization=fp8",
+                           f"rollout.fp8_attention={str(fp8_attention).lower()}")
+    ignored = ignored_modules(fp8_attention)
     try:
         trainer.setup()
         assert trainer.cfg.algorithm.rollout_correction.rollout_is == "token"
@@ -126,8 +130,12 @@ def test_fp8_rollout_engine_holds_the_quantized_actor_and_the_mismatch_is_correc
             assert metrics["rollout_corr/rollout_is_std"] > 0  # the weights are not all 1
             assert metrics["rollout_corr/rollout_is_max"] != 1.0
             actor = trainer.workers.actor.execute_all("hf_state_dict")[0]
-            expected = {name: tensor.float() for name, tensor in fp8_payload(actor).items()}
+            expected = {name: tensor.float()
+                        for name, tensor in fp8_payload(actor, ignored).items()}
             assert sum(n.endswith("_scale_inv") for n in expected) >= 8
+            scaled_attention = any("self_attn" in n and n.endswith("_scale_inv")
+                                   for n in expected)
+            assert scaled_attention == fp8_attention
             on_engine = engine_weights(trainer, list(expected))
             for name, tensor in expected.items():
                 assert torch.equal(on_engine[name].reshape(tensor.shape), tensor), name

@@ -227,3 +227,22 @@ def test_payload_pairs_each_quantized_weight_with_its_scale():
     assert payload["model.layers.0.self_attn.q_proj.weight_scale_inv"].shape == (2, 2)
     assert payload["model.layers.0.input_layernorm.weight"] is bucket[
         "model.layers.0.input_layernorm.weight"]
+
+
+def test_the_sync_plan_sends_ignored_modules_in_the_model_dtype():
+    """``sent_specs`` with the engines' ``ignored_layers``: an ignored projection goes as one
+    tensor in the sync dtype, the others as FP8 weight + fp32 scale."""
+    from megarl.weights.fp8 import ignored_modules
+    from megarl.weights.sglang_sender import sent_specs
+
+    specs = [("model.layers.0.self_attn.q_proj.weight", [256, 128]),
+             ("model.layers.0.mlp.experts.1.up_proj.weight", [64, 128]),
+             ("model.layers.0.input_layernorm.weight", [128])]
+    everything = sent_specs(specs, "bfloat16", "fp8")
+    kept = sent_specs(specs, "bfloat16", "fp8", ignored_modules(fp8_attention=False))
+    assert [len(g) for g in everything] == [2, 2, 1]
+    assert kept[0] == [("model.layers.0.self_attn.q_proj.weight", [256, 128], "bfloat16")]
+    assert kept[1] == everything[1] == [
+        ("model.layers.0.mlp.experts.1.up_proj.weight", [64, 128], "float8_e4m3fn"),
+        ("model.layers.0.mlp.experts.1.up_proj.weight_scale_inv", [1, 1], "float32")]
+    assert ignored_modules(fp8_attention=True) == ()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from types import SimpleNamespace
 
@@ -392,11 +392,13 @@ def _ignored(model: nn.Module) -> list[str]:
     return list(config.get("ignored_layers") or config.get("modules_to_not_convert") or [])
 
 
-def quantize_model(model: nn.Module) -> int:
+def quantize_model(model: nn.Module, ignored: Sequence[str] = ()) -> int:
     """Replace, in place, every linear layer an FP8 checkpoint stores in FP8 by
     :class:`Fp8Linear` and every fused expert block by :class:`Fp8Experts`; returns how many
-    modules were replaced. Raises when none was (a model this engine cannot quantize)."""
-    ignored = _ignored(model)
+    modules were replaced. Modules named in ``ignored`` or in the model's own
+    ``ignored_layers`` stay as they are. Raises when none was replaced (a model this engine
+    cannot quantize)."""
+    ignored = [*_ignored(model), *ignored]
     replaced = 0
     for name, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):

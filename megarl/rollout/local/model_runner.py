@@ -160,7 +160,8 @@ class ModelRunner:
                  context_length: int | None = None, backend: Backend = "auto",
                  cuda_graphs: bool = True, trust_remote_code: bool = False,
                  quantization: str | None = None, enable_lora: bool = False,
-                 weights_cpu_backup: bool = True, load_format: str = "auto") -> None:
+                 weights_cpu_backup: bool = True, load_format: str = "auto",
+                 fp8_ignored: tuple[str, ...] = ()) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
@@ -183,8 +184,10 @@ class ModelRunner:
             raise ValueError(f"quantization={quantization!r}: the embedded engine runs fp8 or "
                              "none (null)")
         self.quantization = quantization
+        if fp8_ignored and quantization != "fp8":
+            raise ValueError(f"fp8_ignored={fp8_ignored}: only with quantization=fp8")
         if quantization == "fp8":  # block-FP8 projections, computed w8a8 (fp8_layers)
-            quantize_model(self.model)
+            quantize_model(self.model, ignored=fp8_ignored)
         self.lora = LoraServing(self.model) if enable_lora else None
         """The LoRA adapters served (``--enable-lora``; lora_serving.py), or None."""
         self.config = self.model.config

@@ -444,6 +444,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="fp8: block-FP8 projections (e4m3 weights, 128x128 weight_scale_inv), "
                         "computed w8a8; weight updates must send FP8 weights and their scales")
+    p.add_argument("--fp8-ignored-layers", nargs="*", default=[], metavar="MODULE",
+                   help="with --quantization fp8: modules whose name contains one of these stay "
+                        "in --dtype (config.json's ignored_layers, e.g. self_attn)")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (/load_lora_adapter*, lora_path in /generate); "
                         "decodes through the HF modules")
@@ -491,6 +494,7 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
                          context_length=args.context_length,
                          trust_remote_code=args.trust_remote_code,
                          quantization=args.quantization, enable_lora=args.enable_lora,
+                         fp8_ignored=tuple(args.fp8_ignored_layers),
                          weights_cpu_backup=args.enable_weights_cpu_backup,
                          load_format=args.load_format)
     budget = kv_token_budget(args, runner, free_before_load)

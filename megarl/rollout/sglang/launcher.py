@@ -127,11 +127,13 @@ def build_sglang_command(cfg: SGLangLaunchConfig, python: str = sys.executable) 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.safetensors.index.json", "*.bin.index.json")
 
 
-def fp8_serving_dir(model_path: str | Path, dest: str | Path) -> Path:
+def fp8_serving_dir(model_path: str | Path, dest: str | Path,
+                    ignored: Sequence[str] = ()) -> Path:
     """A directory SGLang serves as a block-FP8 model with ``--load-format dummy``: every file
     of ``model_path`` but the weights linked, and config.json with the block-FP8
     ``quantization_config`` (docs/fp8.md: SGLang builds fp8 ``weight`` + ``weight_scale_inv``
-    parameters only for an FP8-serialized config; the trainer's first sync fills them)."""
+    parameters only for an FP8-serialized config; the trainer's first sync fills them).
+    ``ignored``: its ``ignored_layers`` (modules SGLang keeps in the model dtype)."""
     import json
 
     from megarl.weights.fp8 import QUANTIZATION_CONFIG
@@ -143,6 +145,8 @@ def fp8_serving_dir(model_path: str | Path, dest: str | Path) -> Path:
         raise ValueError(f"{source}/config.json: quantization_config {existing} is not fp8; "
                          "rollout.quantization=fp8 needs a bf16 or block-FP8 checkpoint")
     config["quantization_config"] = dict(QUANTIZATION_CONFIG)
+    if ignored:
+        config["quantization_config"]["ignored_layers"] = list(ignored)
     dest.mkdir(parents=True, exist_ok=True)
     for item in source.iterdir():
         target = dest / item.name
