@@ -331,7 +331,7 @@ def run_shape(args: argparse.Namespace, shape: str, root: Path) -> dict[str, Any
     fp8_runner = fp8_engine = None
     if args.quantization == "fp8":
         fp8_runner = ModelRunner(model_dir, device=args.device, dtype=str(runner.dtype).removeprefix(
-            "torch."), quantization="fp8")
+            "torch."), quantization="fp8", fp8_ignored=tuple(args.fp8_ignored_layers))
         fp8_engine = LocalEngine(fp8_runner, seed=0)
         fp8_engine.start()
         methods["engine_fp8"] = InProcessEngine(fp8_engine, prompts)
@@ -430,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the JSON summary to this file")
     p.add_argument("--quantization", choices=["fp8"], default=None,
                    help="also run the engine in block FP8 (engine_fp8) and compare")
+    p.add_argument("--fp8-ignored-layers", nargs="*", default=[], metavar="MODULE",
+                   help="modules the FP8 engine keeps in the model dtype (self_attn: what "
+                        "rollout.fp8_attention=false keeps)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -7,6 +7,7 @@
 #   FP8_SHAPES=e2e_dense FP8_TESTS=0 bash benchmarks/h200/call_fp8.sh
 #   FP8_MICRO=1 FP8_TESTS=0 FP8_PROMPTS= bash ...   # only fp8_gemm_micro.py (per-projection us)
 #   FP8_TESTS_SKIP="(native_decoder or grouped)" FP8_PROMPTS= bash ...   # some of the tests only
+#   FP8_IGNORED=self_attn FP8_TESTS=0 bash ...   # the attention in bf16 (rollout.fp8_attention=false)
 # Each generation's seconds go to $OUT/fp8_decode_<prompts>.log as they happen.
 source benchmarks/h200/setup.sh
 if [ "${FP8_TESTS:-1}" = 1 ]; then
@@ -24,7 +25,8 @@ if [ "${FP8_MICRO:-0}" != 0 ]; then  # per-projection us, bf16 vs FP8 (FP8_MICRO
 fi
 for prompts in ${FP8_PROMPTS-64 512}; do  # FP8_PROMPTS= (empty): none
   timeout ${FP8_TIMEOUT:-240} python3 benchmarks/rollout_throughput.py --device cuda --no-http \
-    --quantization fp8 --shapes ${FP8_SHAPES:-e2e_moe} --num-prompts $prompts \
+    --quantization fp8 ${FP8_IGNORED:+--fp8-ignored-layers $FP8_IGNORED} \
+    --shapes ${FP8_SHAPES:-e2e_moe} --num-prompts $prompts \
     --hf-repeats 0 --repeats 2 --out $OUT/fp8_decode_$prompts.json > $OUT/fp8_decode_$prompts.log 2>&1
   echo "decode $prompts prompts rc=$?"; grep -E "engine|floor|fp8 / bf16|Error" \
     $OUT/fp8_decode_$prompts.log | tail -12

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from megarl.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,13 +35,16 @@ def test_rollout_smoke_reports_engine_and_generate(tmp_path, capsys):
     assert all(v > 0 for v in row["results"]["fixed"].values())
 
 
-def test_rollout_smoke_compares_an_fp8_engine(tmp_path):
+@pytest.mark.parametrize("ignored", [[], ["--fp8-ignored-layers", "self_attn"]])
+def test_rollout_smoke_compares_an_fp8_engine(tmp_path, ignored):
     """``--quantization fp8``: the same prompts through a block-FP8 engine, its ratio to the
-    plain engine; the e2e shapes are e2e_step.py's."""
+    plain engine; the e2e shapes are e2e_step.py's. ``--fp8-ignored-layers self_attn``: the
+    attention stays in the model dtype (its floor counts those bytes)."""
     bench = load("rollout_throughput")
     out = tmp_path / "rollout_fp8.json"
     assert bench.main(["--smoke", "--no-http", "--repeats", "1", "--hf-repeats", "0",
-                       "--scenarios", "fixed", "--quantization", "fp8", "--out", str(out)]) == 0
+                       "--scenarios", "fixed", "--quantization", "fp8", *ignored,
+                       "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     fixed = row["results"]["fixed"]
     assert fixed["hf_generate"] == 0 and fixed["engine"] > 0 and fixed["engine_fp8"] > 0
