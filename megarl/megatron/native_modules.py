@@ -374,8 +374,9 @@ def _in_backward() -> bool:
 
 
 class _GroupedMM(torch.autograd.Function):
-    """``torch._grouped_mm`` over the experts' own weight tensors, stacked into ``[E, out, in]``
-    only while a GEMM runs. Through autograd the stacked copy (every local expert's weights) was
+    """``torch._grouped_mm`` over the experts' own weight tensors as ``[E, out, in]``: a view
+    where they lie back to back in expert order (:func:`_stacked`), else stacked only while a
+    GEMM runs. Through autograd the stacked copy (every local expert's weights) was
     kept from each layer's forward to its backward: without recompute, a second copy of all the
     expert weights in the update (the GPU LoRA demo's update peak fell from 44.7 to 30.3 GB
     without it; benchmarks/RESULTS.md). Its backward stacks
