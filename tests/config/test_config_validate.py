@@ -210,6 +210,8 @@ CASES = [
     ("check_rollout_correction", ["algorithm.rollout_correction.rollout_is=token",
      "algorithm.rollout_correction.rollout_is_threshold=0.9"], None,
      ["algorithm.rollout_correction.rollout_is_threshold"], "rollout_is_threshold=2.0", "warning"),
+    ("check_fp8_attention", ["rollout.fp8_attention=false"], None,
+     ["rollout.fp8_attention", "rollout.quantization"], "set rollout.quantization=fp8", "error"),
     ("check_router_replay", ["actor.router_replay.mode=R3", "actor.parallel.ep=1"], QWEN2_1_5B,
      ["actor.router_replay.mode"], "actor.router_replay.mode=disabled", "error"),
     ("check_router_replay", ["actor.router_replay.mode=R3",
