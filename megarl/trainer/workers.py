@@ -148,10 +148,9 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       trust_remote_code=cfg.model.trust_remote_code,
                       quantization=r.quantization, load_format=r.load_format,
                       fp8_ignored=ignored_modules(r.fp8_attention) if r.quantization else (),
-                      enable_lora=adapters,
-                      lora_rank=cfg.actor.lora.rank if adapters else 0,
-                      lora_modules=hf_leaf_modules(cfg.actor.lora.target_modules)
-                      if adapters else ())
+                      enable_lora=adapters, lora_rank=cfg.actor.lora.rank if adapters else 0,
+                      lora_modules=hf_leaf_modules(cfg.actor.lora.target_modules) if adapters
+                      else ())
 
 
 class _DriverHttp:
@@ -182,8 +181,7 @@ class _DriverHttp:
             self.error = err
 
     def failure(self) -> BaseException | None:
-        """The calls' error once they ended with one (None while they run or when they
-        succeeded)."""
+        """The calls' error once they ended with one (None while running or on success)."""
         return None if self.thread.is_alive() else self.error
 
     def join(self, timeout_s: float, phase: str) -> None:
@@ -255,8 +253,7 @@ def _weight_sync(cfg: RunConfig, actor: Any, rollout: Any, urls: list[str], is_d
     if cfg.actor.lora.rank and cfg.actor.lora.sync == "adapter":
         return _adapter_sync(cfg, actor, rollout, client, urls, is_driver)
     dtype = cfg.rollout.dtype or cfg.model.dtype
-    timeout = cfg.trainer.phase_timeout_s
-    gpus = cfg.rollout.gpus_per_engine
+    timeout, gpus = cfg.trainer.phase_timeout_s, cfg.rollout.gpus_per_engine
     plan = plan_buckets(actor.execute_all("weight_specs")[0], dtype,
                         cfg.checkpoint_engine.bucket_size_mb, cfg.rollout.quantization,
                         ignored_modules(cfg.rollout.fp8_attention))

@@ -445,8 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp8: block-FP8 projections (e4m3 weights, 128x128 weight_scale_inv), "
                         "computed w8a8; weight updates must send FP8 weights and their scales")
     p.add_argument("--fp8-ignored-layers", nargs="*", default=[], metavar="MODULE",
-                   help="with --quantization fp8: modules whose name contains one of these stay "
-                        "in --dtype (config.json's ignored_layers, e.g. self_attn)")
+                   help="FP8: modules named so stay in --dtype (ignored_layers, e.g. self_attn)")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (/load_lora_adapter*, lora_path in /generate); "
                         "decodes through the HF modules")
@@ -457,10 +456,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "must rewrite them before /generate runs again)")
     p.add_argument("--context-length", type=int, default=None,
                    help="max prompt + response tokens (default: max_position_embeddings)")
-    p.add_argument("--max-running-requests", type=int, default=256,
-                   help="rows (samples) decoded together")
-    p.add_argument("--max-prefill-tokens", type=int, default=16384,
-                   help="padded prompt tokens prefilled in one step")
+    p.add_argument("--max-running-requests", type=int, default=256, help="rows decoded together")
+    p.add_argument("--max-prefill-tokens", type=int, default=16384, help="padded prompt tokens a step")
     p.add_argument("--mem-fraction-static", type=float, default=None,
                    help="as in SGLang: the KV cache gets what is free after the weights "
                         "loaded, less 1 - this fraction of what was free before they did "
@@ -492,9 +489,8 @@ def create_state(args: argparse.Namespace, api_key: str | None = None) -> Server
     free_before_load = _free_device_memory(args.device)
     runner = ModelRunner(args.model, device=args.device, dtype=args.dtype,
                          context_length=args.context_length,
-                         trust_remote_code=args.trust_remote_code,
-                         quantization=args.quantization, enable_lora=args.enable_lora,
-                         fp8_ignored=tuple(args.fp8_ignored_layers),
+                         trust_remote_code=args.trust_remote_code, quantization=args.quantization,
+                         enable_lora=args.enable_lora, fp8_ignored=tuple(args.fp8_ignored_layers),
                          weights_cpu_backup=args.enable_weights_cpu_backup,
                          load_format=args.load_format)
     budget = kv_token_budget(args, runner, free_before_load)
