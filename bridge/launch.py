@@ -28,7 +28,6 @@ import torch
 import torch.multiprocessing as mp
 
 from bridge.checks import ConversionError
-from megarl.net import free_port
 
 Runner = Callable[..., list]
 """``runner(world_size, fn, *args) -> [fn(*args) on rank 0, ..., on rank world_size - 1]``."""
@@ -60,7 +59,8 @@ def choose_backend(world_size: int) -> str:
 
 def _rank_main(rank: int, world_size: int, port: int, backend: str, tasks: Any,
                results: Any) -> None:
-    """A rank's loop: join the group, then run tasks until told to stop or orphaned."""
+    """A rank's loop: join the group (through the parent's store at ``port``), then run tasks
+    until told to stop or orphaned."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     import torch.distributed as dist
@@ -69,7 +69,8 @@ def _rank_main(rank: int, world_size: int, port: int, backend: str, tasks: Any,
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     parent = os.getppid()
     while os.getppid() == parent:
         try:
@@ -123,7 +124,13 @@ class LocalRanks:
         self.world_size = world_size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
+        # the group's store listens in this process on a port the OS picked as it bound it: a
+        # port chosen free and bound later by rank 0 was once taken in between (EADDRINUSE)
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                    wait_for_workers=False)
+        port = self._store.port
         self._procs = [
             ctx.Process(target=_rank_main,
                         args=(r, world_size, port, backend, self._tasks[r], self._results))

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from megarl.net import free_port
-
 PRELOAD = ["torch", "torch.distributed", "megatron.core", "transformers",
            "megarl.megatron.model", "megarl.megatron.update", "megarl.megatron.logprobs",
            "megarl.megatron.checkpoint", "megarl.megatron.critic", "megarl.megatron.parallel",
@@ -66,7 +64,8 @@ def _worker(rank: int, world_size: int, port: int, backend: str, tasks, results,
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     while True:
         task = tasks.get()
         if task is None:
@@ -108,7 +107,13 @@ class RankPool:
         self.world_size = world_size
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
-        port = free_port()
+        # the group's store listens here, on a port the OS picked as it bound it (a port chosen
+        # free and bound later by rank 0 can be taken in between: EADDRINUSE, a dead rank)
+        import torch.distributed as dist
+
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                                    wait_for_workers=False)
+        port = self._store.port
         self._procs = [
             ctx.Process(
                 target=_worker,
