@@ -333,13 +333,16 @@ def _stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
 _EMPTY_GROUPS_ZEROED: dict[str, bool] = {}
 
 
-def _empty_groups_zeroed(device: torch.device) -> bool:
+def _empty_groups_zeroed(device: torch.device, may_check: bool = True) -> bool:
     """Whether the weight-gradient grouped GEMM (groups along the rows it sums over) writes
     zeros for a group of no rows on ``device``: on the CPU it multiplies group by group; Hopper's
     kernel does, and torch issue #172439 reports Blackwell's leaving garbage. Checked once per
-    device type on an output block the allocator held NaNs in just before."""
+    device type on an output block the allocator held NaNs in just before; unknown (False)
+    where not checked yet and ``may_check`` is false."""
     key = "cpu" if device.type == "cpu" else torch.cuda.get_device_name(device)
     if key not in _EMPTY_GROUPS_ZEROED:
+        if not may_check:
+            return False
         g = torch.Generator(device=device).manual_seed(0)
         x, grad = (torch.randn(48, n, device=device, generator=g).to(torch.bfloat16)
                    for n in (64, 32))
@@ -358,9 +361,7 @@ def _zero_unused(per_expert: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     whose kernel may leave garbage there, :func:`_empty_groups_zeroed`; inside a CUDA graph
     capture, which the check's host read would break, unless checked before)."""
     capturing = per_expert.is_cuda and torch.cuda.is_current_stream_capturing()
-    key = "cpu" if not per_expert.is_cuda else torch.cuda.get_device_name(per_expert.device)
-    if (_EMPTY_GROUPS_ZEROED.get(key, False) if capturing
-            else _empty_groups_zeroed(per_expert.device)):
+    if _empty_groups_zeroed(per_expert.device, may_check=not capturing):
         return per_expert
     unused = torch.diff(offs, prepend=offs.new_zeros(1)) == 0
     return per_expert.masked_fill_(unused[:, None, None], 0)
