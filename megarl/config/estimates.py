@@ -44,7 +44,10 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   :mod:`megarl.config.host_estimates`), so it lowers the weight sync and the colocated
   rollout; in the update only ``optimizer_offload`` counts: that state comes back for each
   optimizer step only, so the update's peak is the larger of the forwards and backwards
-  (weights + grads + activations + logits) and the step (weights + grads + optimizer).
+  (weights + grads + activations + logits) and the step (weights + grads + optimizer). With
+  ``offload.optimizer_step_chunk_mb`` the step streams the Adam moments (8 of the 12 bytes) and
+  holds 3 chunks of them at most: 3 x max(chunk, the moments of the largest parameter, taken as
+  the embedding's padded vocab / t x h x 8).
   Colocated engines release their memory during the update.
 * Log-prob forwards (old log-probs, reference): what the actor keeps while idle, its weights
   always, the idle roles, the activations of the largest layer for the forward's tokens
@@ -106,6 +109,8 @@ class TrainState:
     weights: int
     grads: int
     optimizer: int
+    moments: int = 0
+    """The Adam moments' part of ``optimizer``."""
 
     @property
     def total(self) -> int:
@@ -136,6 +141,9 @@ class UpdateMemory:
     optimizer_deferred: bool = False
     """The optimizer state is on the GPU for the optimizer steps only (``offload.optimizer_offload``):
     the forwards and backwards run without it."""
+    stream_window: int = 0
+    """A streamed optimizer step (``offload.optimizer_step_chunk_mb``): the bytes of moments it
+    holds at once; 0: the whole state comes back for the step."""
 
     @property
     def forward_backward(self) -> int:
@@ -147,7 +155,10 @@ class UpdateMemory:
     @property
     def optimizer_step(self) -> int:
         """What the GPU holds during an optimizer step (activations freed)."""
-        return self.state.total + self.other_roles
+        moments = self.state.moments
+        if self.stream_window:
+            moments = min(moments, self.stream_window)
+        return self.state.total - self.state.moments + moments + self.other_roles
 
     @property
     def total(self) -> int:
@@ -277,12 +288,15 @@ def train_state(dense: int, expert: int, layout: RoleLayout, dtype: str,
         return TrainState(dense_params=dense + dense_lora, expert_params=expert + expert_lora,
                           weights=(dense + expert + lora) * DTYPE_BYTES[dtype],
                           grads=lora * GRAD_BYTES, optimizer=math.ceil(per_param * (
+                              dense_lora / dense_shards + expert_lora / expert_shards)),
+                          moments=math.ceil(ADAM_MOMENT_BYTES * (
                               dense_lora / dense_shards + expert_lora / expert_shards)))
     params = dense + expert
     return TrainState(
         dense_params=dense, expert_params=expert,
         weights=params * DTYPE_BYTES[dtype], grads=params * GRAD_BYTES,
-        optimizer=math.ceil(per_param * (dense / dense_shards + expert / expert_shards)))
+        optimizer=math.ceil(per_param * (dense / dense_shards + expert / expert_shards)),
+        moments=math.ceil(ADAM_MOMENT_BYTES * (dense / dense_shards + expert / expert_shards)))
 
 
 def stage_adapter_params(cfg: RunConfig, model: ModelInfo, stage: int
@@ -448,6 +462,10 @@ def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: 
     """The actor GPU of the pipeline stage with the highest peak during the update."""
     p, nbytes = cfg.actor.parallel, DTYPE_BYTES[cfg.model.dtype]
     tokens = micro_batch_tokens(cfg, sizes)
+    offload = cfg.actor.offload
+    window = 3 * max(offload.optimizer_step_chunk_mb << 20, math.ceil(
+        ADAM_MOMENT_BYTES * vocab * model.hidden_size / p.tp)) if (
+        offload.optimizer_offload and offload.optimizer_step_chunk_mb) else 0
     candidates = []
     for stage in range(p.pp):
         state = train_state(*stage_params(model, p, stage, vocab), sizes.actor, cfg.model.dtype,
@@ -461,7 +479,7 @@ def update_memory(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes, vocab: 
             stage=stage, pp=p.pp, state=state, activations=math.ceil(per_token * tokens * flight),
             logits=math.ceil(logits), other_roles=other_roles, tokens_per_micro_batch=tokens,
             micro_batches_in_flight=flight,
-            optimizer_deferred=bool(cfg.actor.offload.optimizer_offload)))
+            optimizer_deferred=bool(offload.optimizer_offload), stream_window=window))
     return max(candidates, key=lambda m: m.total)
 
 

@@ -113,6 +113,11 @@ class OffloadConfig(Section):
         "steps only, so the activations have their memory (one more round trip per extra "
         "mini-batch); null = on when `rollout.colocate` is true, off with a separate rollout "
         "pool"))
+    optimizer_step_chunk_mb: int = Field(1024, ge=0, description=(
+        "with `optimizer_offload`: an optimizer step brings the Adam moments (8 of the 12 bytes "
+        "of state a parameter) to the GPU this many MiB at a time, the next chunk copied in and "
+        "the last one out while one is updated, so the step holds ~3 chunks of them instead of "
+        "all (same result, bit for bit); 0 = the whole state comes back for the step"))
 
 
 def is_loopback_host(host: str) -> bool:

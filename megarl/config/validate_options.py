@@ -427,6 +427,9 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
          alg.rollout_correction.rollout_is is None, "set algorithm.rollout_correction.rollout_is"),
         ("algorithm.rollout_correction.rollout_rs_threshold",
          alg.rollout_correction.rollout_rs is None, "set algorithm.rollout_correction.rollout_rs"),
+        *((f"{role}.offload.optimizer_step_chunk_mb", not offload.optimizer_offload,
+           f"set {role}.offload.optimizer_offload=true (the chunks stream that state)")
+          for role, offload in (("actor", cfg.actor.offload), ("critic", cfg.critic.offload))),
         ("scheduler.staleness_threshold", sched_off, "set scheduler.mode=fully_async"),
         ("scheduler.trigger_parameter_sync_step", sched_off, "set scheduler.mode=fully_async"),
         ("scheduler.partial_rollout", sched_off, "set scheduler.mode=fully_async"),

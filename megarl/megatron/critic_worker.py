@@ -52,7 +52,8 @@ class CriticWorker(Worker):
                                    seed=spec.seed, recompute=spec.recompute,
                                    trust_remote_code=spec.trust_remote_code)
         self.critic = TrainableActor(model, spec.optim)
-        self.offloader = StateOffloader(model.chunks, self.critic.optimizer)
+        self.offloader = StateOffloader(model.chunks, self.critic.optimizer,
+                                        stream_bytes=spec.offload.stream_bytes)
         self.offloader.offload(spec.offload.parts())
         settle_long_lived_objects()  # later hand-offs and saves collect only newer objects
 
@@ -117,7 +118,8 @@ class CriticWorker(Worker):
         return critic_train_step(
             self.critic, sequences, self.spec.loss,
             max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
-            before_step=(partial(self.offloader.reload, ["optimizer"]) if deferred else None))
+            before_step=(partial(self.offloader.reload_for_step, ["optimizer"]) if deferred
+                         else None))
 
     def save_checkpoint(self, root: str, step: int, extra: dict[str, Any],
                         keep_last: int | None) -> str:

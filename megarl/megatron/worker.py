@@ -99,7 +99,8 @@ class ActorWorker(Worker):
         plan casts or quantizes a tensor) for the persistent sync."""
         self._plan: list[BucketSpec] | None = None
         """The colocated sync's bucket plan (the driver sends it once)."""
-        self.offloader = StateOffloader(self.actor.model.chunks, self.actor.optimizer)
+        self.offloader = StateOffloader(self.actor.model.chunks, self.actor.optimizer,
+                                        stream_bytes=spec.offload.stream_bytes)
         self.ref_offloader = StateOffloader(self.ref.chunks if self.ref is not None else [])
         self.memory_peaks: Peaks = {}
         self.moving_seconds = {"offload_actor": 0.0, "reload_actor": 0.0}
@@ -126,7 +127,8 @@ class ActorWorker(Worker):
         start = time.perf_counter()
         moved = getattr(offloader, action)(parts)
         if moved:
-            self.moving_seconds[f"{action}_actor"] += time.perf_counter() - start
+            kind = "reload" if action.startswith("reload") else action
+            self.moving_seconds[f"{kind}_actor"] += time.perf_counter() - start
         return moved
 
     def offload(self, parts: list[str] | None = None) -> int:
@@ -292,7 +294,7 @@ class ActorWorker(Worker):
                 self.actor, sequences, self.spec.loss,
                 max_tokens_per_micro_batch=self.spec.max_tokens_per_micro_batch,
                 temperature=self.spec.temperature, graphed=self.graphed,
-                before_step=(partial(self._move, self.offloader, "reload", ["optimizer"])
+                before_step=(partial(self._move, self.offloader, "reload_for_step", ["optimizer"])
                              if deferred else None))
         used.append(recording.routes)
         return result

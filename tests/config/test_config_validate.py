@@ -241,6 +241,9 @@ CASES = [
      "warning"),
     ("check_settings_without_effect", ["scheduler.staleness_threshold=0.5"], None,
      ["scheduler.staleness_threshold"], "scheduler.mode=fully_async", "warning"),
+    ("check_settings_without_effect", ["actor.offload.optimizer_offload=false",
+                                       "actor.offload.optimizer_step_chunk_mb=256"], None,
+     ["actor.offload.optimizer_step_chunk_mb"], "actor.offload.optimizer_offload=true", "warning"),
     # multi-turn episodes (rollout.multi_turn)
     ("check_multi_turn", ["rollout.multi_turn.enable=true"], None,
      ["rollout.multi_turn.tools", "rollout.multi_turn.env"],

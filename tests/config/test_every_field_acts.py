@@ -268,6 +268,7 @@ FIELDS: dict[str, Row] = {
     "actor.offload.param_offload": spec("true", "actor.offload.param_offload"),
     "actor.offload.grad_offload": spec("false", "actor.offload.grad_offload"),  # null: colocated
     "actor.offload.optimizer_offload": spec("false", "actor.offload.optimizer_offload"),
+    "actor.offload.optimizer_step_chunk_mb": spec(256, "actor.offload.optimizer_step_chunk_mb"),
     "actor.recompute.granularity": spec("full", "actor.recompute"),
     "actor.recompute.method": spec("block", "actor.recompute", "actor.recompute.granularity=full"),
     "actor.recompute.num_layers": spec(2, "actor.recompute", "actor.recompute.granularity=full"),
@@ -311,6 +312,8 @@ FIELDS: dict[str, Row] = {
     "critic.offload.param_offload": spec("true", "critic.offload.param_offload", GAE),
     "critic.offload.grad_offload": spec("false", "critic.offload.grad_offload", GAE),
     "critic.offload.optimizer_offload": spec("false", "critic.offload.optimizer_offload", GAE),
+    "critic.offload.optimizer_step_chunk_mb": spec(256, "critic.offload.optimizer_step_chunk_mb",
+                                                   GAE),
     # rollout
     "rollout.backend": spec("local", "argv"),
     "rollout.n": spec(2, "sampling.n"),

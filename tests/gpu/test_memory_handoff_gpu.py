@@ -154,9 +154,10 @@ def test_a_started_worker_keeps_no_cache_for_the_engines_to_miss(tmp_path, megat
     assert reserved - allocated < 0.25 * offloaded, (reserved, allocated, offloaded)
 
 
-def _worker_two_updates(model_dir, offload: bool) -> dict:
+def _worker_two_updates(model_dir, offload: bool, stream_bytes: int = 0) -> dict:
     """An ActorWorker (bf16, the distributed optimizer) as the trainer drives it: an update of
-    two mini-batches, the offload, another update; the Adam state's bytes at every forward."""
+    two mini-batches, the offload, another update; the Adam state's bytes at every forward
+    (``stream_bytes``: the steps stream the moments in chunks of that size)."""
     from megarl.megatron.offload import OffloadSettings, _inner_optimizers
     from megarl.megatron.optimizer import OptimizerSettings
     from megarl.megatron.parallel import ParallelSizes
@@ -166,8 +167,11 @@ def _worker_two_updates(model_dir, offload: bool) -> dict:
     spec = ActorSpec(model_path=str(model_dir), dtype="bfloat16", sizes=ParallelSizes(),
                      optim=OptimizerSettings(lr=1e-3), loss=LossSettings(), with_ref=False,
                      temperature=1.0, max_tokens_per_micro_batch=64, seed=0,
-                     offload=OffloadSettings(grad_offload=offload, optimizer_offload=offload))
+                     offload=OffloadSettings(grad_offload=offload, optimizer_offload=offload,
+                                             optimizer_step_chunk_mb=1 if stream_bytes else 0))
     worker = ActorWorker(spec)
+    if stream_bytes:
+        worker.offloader.stream_bytes = stream_bytes
     inner = _inner_optimizers(worker.actor.optimizer)
 
     def state_bytes() -> list[int]:
@@ -186,7 +190,15 @@ def _worker_two_updates(model_dir, offload: bool) -> dict:
     metrics = worker.update([mini_batch(), mini_batch()])
     worker.offload()
     metrics += worker.update([mini_batch()])
-    return {"metrics": metrics, "seen": seen,
+    after_step = state_bytes()
+    worker.reload()
+    moments = [v.float().cpu() for opt in inner for st in opt.state.values()
+               for k, v in st.items() if k != "step" and isinstance(v, torch.Tensor)]
+    streamed = {"peak": worker.offloader.stream_peak_bytes, "moments": moments,
+                "chunks": worker.offloader.stream_chunks, "after_step": after_step,
+                "largest": max(2 * p.numel() * p.element_size() for opt in inner
+                               for group in opt.param_groups for p in group["params"])}
+    return {"metrics": metrics, "seen": seen, "streamed": streamed,
             "fused": [group.get("fused") for opt in inner for group in opt.param_groups],
             "params": [p.detach().float().cpu() for p in worker.actor.model.chunks[0].parameters()]}
 
@@ -213,3 +225,33 @@ def test_an_offloaded_optimizer_state_is_off_the_gpu_through_forwards_and_backwa
         assert got["actor/grad_norm"] == pytest.approx(ref["actor/grad_norm"], rel=1e-2)
     for ref, got in zip(kept["params"], moved["params"]):
         torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_a_streamed_optimizer_step_on_the_gpu_matches_the_whole_one(tmp_path, megatron_rank):
+    """``offload.optimizer_step_chunk_mb`` on the GPU: the moments come in on one CUDA stream
+    and go out on another while the chunks are updated; the three steps equal those of the
+    unstreamed offload (to 1e-2, as the kept state above; bit for bit on the CPU), at most three
+    chunks of moments were on the device, and after the step none is."""
+    model_dir = make_tiny_model(tmp_path / "actor", arch="qwen3", seed=0, hidden_size=256,
+                                intermediate_size=512, num_hidden_layers=2)
+    whole = _worker_two_updates(model_dir, offload=True)
+    from megarl.megatron.parallel import destroy_parallel
+
+    destroy_parallel()
+    chunk = 256 << 10
+    streamed = _worker_two_updates(model_dir, offload=True, stream_bytes=chunk)
+    info = streamed["streamed"]
+    assert info["chunks"] >= 3 and 0 < info["peak"] <= 3 * max(chunk, info["largest"]), info
+    moments = [n for n in info["after_step"] if n > 8]  # the step counts are 4-8 bytes
+    assert not moments, info["after_step"]
+    for ref, got in zip(whole["metrics"], streamed["metrics"]):
+        assert got["actor/update_skipped"] == ref["actor/update_skipped"] == 0.0
+        assert got["actor/grad_norm"] == pytest.approx(ref["actor/grad_norm"], rel=1e-2)
+    for ref, got in zip(whole["params"], streamed["params"]):
+        torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    # Adam's moments after three steps carry all three gradients: a chunk that came in empty or
+    # stale (a copy not waited for) would be off by far more than the kernels' noise
+    ref_m, got_m = whole["streamed"]["moments"], info["moments"]
+    assert len(ref_m) == len(got_m) > 0
+    for ref, got in zip(ref_m, got_m):
+        torch.testing.assert_close(got, ref, rtol=0.05, atol=1e-3 * float(ref.abs().max()))

@@ -186,3 +186,84 @@ def test_an_offloaded_optimizer_state_comes_back_for_the_steps_only(pool2, tiny_
         assert ref["final"].keys() == got["final"].keys()
         for key, value in ref["final"].items():
             assert torch.equal(value, got["final"][key]), key
+
+
+def _worker_streamed_updates(model_dir: str, chunk_bytes: int) -> dict:
+    """As :func:`_worker_updates` with an offloaded optimizer state whose steps stream the Adam
+    moments ``chunk_bytes`` at a time; what the device held of them during and after each step."""
+    from megatron.core import parallel_state as mpu
+
+    from megarl.megatron.offload import OffloadSettings, _inner_optimizers, _moments
+    from megarl.megatron.optimizer import OptimizerSettings
+    from megarl.megatron.update import LossSettings
+    from megarl.megatron.worker import ActorSpec, ActorWorker
+
+    spec = ActorSpec(
+        model_path=model_dir, dtype="float32", sizes=ParallelSizes(),
+        optim=OptimizerSettings(lr=1e-3, weight_decay=0.0), loss=LossSettings(entropy_coeff=0.01),
+        with_ref=False, temperature=1.0, max_tokens_per_micro_batch=24, seed=1,
+        offload=OffloadSettings(grad_offload=True, optimizer_offload=True,
+                                optimizer_step_chunk_mb=1))
+    worker = ActorWorker(spec)
+    assert worker.offloader.stream_bytes == 1 << 20
+    worker.offloader.stream_bytes = chunk_bytes  # the tiny model's moments are a few hundred KiB
+    dp, size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
+    inners = _inner_optimizers(worker.actor.optimizer)
+
+    def moments() -> list[torch.Tensor]:
+        return [m for inner in inners for group in inner.param_groups
+                for p in group["params"] for m in _moments(inner, p)]
+
+    def mini_batch(seed: int) -> list[dict]:
+        return [{k: v.tolist() for k, v in s.items()} for s in _batch(seed)[dp::size]]
+
+    out: dict = {"metrics": worker.update([mini_batch(1), mini_batch(2)])}
+    out["peaks"] = [worker.offloader.stream_peak_bytes]
+    out["chunks"] = [worker.offloader.stream_chunks]
+    out["moment_slabs"] = [worker.offloader.arenas["moments"].allocated_bytes]
+    out["left_on_device"] = [int(m.untyped_storage().nbytes()) for m in moments()]
+    out["masters_on_device"] = sorted(worker.offloader.offloaded) == ["optimizer"] and all(
+        p.untyped_storage().nbytes() > 0 for inner in inners for g in inner.param_groups
+        for p in g["params"])
+    worker.offload()
+    out["metrics"] += worker.update([mini_batch(3)])
+    out["peaks"].append(worker.offloader.stream_peak_bytes)
+    out["chunks"].append(worker.offloader.stream_chunks)
+    out["moment_slabs"].append(worker.offloader.arenas["moments"].allocated_bytes)
+    stashed = worker.offloader.stashes["moments"]
+    out["moment_bytes"] = sum(s.nbytes for s in stashed)
+    out["moment_count"], out["params"] = len(stashed), len(
+        [p for inner in inners for g in inner.param_groups for p in g["params"]])
+    out["largest"] = max(2 * p.numel() * p.element_size() for inner in inners
+                         for g in inner.param_groups for p in g["params"])
+    worker.reload()
+    out["final"] = _state(worker.actor)
+    return out
+
+
+def test_a_streamed_optimizer_step_equals_the_whole_one_and_holds_three_chunks(pool2,
+                                                                             tiny_models):
+    """``offload.optimizer_step_chunk_mb``: each step brings the Adam moments to the device a
+    chunk at a time and sends them back (on a CPU the copies are plain): the three steps (the
+    first makes the moments, the second and third stream them) equal, bit for bit, those of a
+    worker that never offloads; after a step no moment is on the device while the fp32 main
+    params are; at no time did a step hold more than three chunks of moments."""
+    kept = pool2.run(_worker_updates, tiny_models["qwen3"], False)
+    chunk = 16 << 10
+    streamed = pool2.run(_worker_streamed_updates, tiny_models["qwen3"], chunk)
+    for rank in range(2):
+        ref, got = kept[rank], streamed[rank]
+        assert got["metrics"] == ref["metrics"]
+        for key, value in ref["final"].items():
+            assert torch.equal(value, got["final"][key]), key
+        assert got["left_on_device"] and not any(got["left_on_device"])
+        assert got["masters_on_device"]
+        # every parameter has its two moments in host memory, once
+        assert got["moment_count"] == 2 * got["params"]
+        window = 3 * max(chunk, got["largest"])
+        for peak in got["peaks"]:
+            assert 0 < peak <= window, (peak, window)
+            assert peak < got["moment_bytes"], (peak, got["moment_bytes"])
+        assert min(got["chunks"]) >= 3, got["chunks"]
+        # the second cycle streamed into the first one's ranges: no slab added
+        assert got["moment_slabs"][0] == got["moment_slabs"][1] >= got["moment_bytes"]
