@@ -2,13 +2,15 @@
 # call), the update's forward + backward of the e2e MoE slice profiled on one 16k-token
 # micro-batch (25 packed sequences; PROFILE_SIDES: actor_throughput.py's --sides), then the MoE
 # e2e step (megarl's side; --recompute auto decides from the card's memory).
-#   usage: bash benchmarks/h200/call_moe_update.sh   (PROFILE=0 / E2E=0 skip a part)
+#   usage: bash benchmarks/h200/call_moe_update.sh   (PROFILE=0 / E2E=0 skip a part;
+#   TESTS_MAY_FAIL=1: the other parts run after a failed test)
 source benchmarks/h200/setup.sh
 if [ -n "${GPU_TESTS:-}" ]; then
   timeout ${TESTS_TIMEOUT:-200} python3 -m pytest -q -p no:cacheprovider $GPU_TESTS \
     > $OUT/gpu_tests.log 2>&1
   rc=$?; echo "gpu tests rc=$rc"; tail -4 $OUT/gpu_tests.log
-  [ $rc = 0 ] || { grep -E "^E |Error" $OUT/gpu_tests.log | head -30; exit $rc; }
+  [ $rc = 0 ] || { grep -E "^E |Error" $OUT/gpu_tests.log | head -30
+    [ "${TESTS_MAY_FAIL:-0}" = 1 ] || exit $rc; }
 fi
 if [ "${PROFILE:-1}" = 1 ]; then
   timeout ${PROFILE_TIMEOUT:-200} python3 benchmarks/actor_throughput.py --shapes e2e_moe \
