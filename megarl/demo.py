@@ -71,9 +71,9 @@ DEMOS = {
     "lora": DemoSpec(Path("outputs/tiny-dense-lora"), CONFIGS / "tiny-dense-lora-cpu.yaml",
                      "copy_digit", {"initializer_range": 0.1}, arch="qwen3"),
     # Qwen3-30B-A3B's layers (hidden 2048, 32 query / 4 KV heads, 128 experts, top-8) at 16 of
-    # its 48 layers: 10.0B parameters, 18.6 GB in bf16. Its full fine-tune's update needs ~174 GiB
-    # (fp32 grads, main weights and Adam), more than one H200; rank-32 adapters on the attention
-    # need ~0.1 GB more than the frozen base. Drawn on the GPU in bf16 (fp32 on the host: 40 GB)
+    # its 48 layers: 10.0B parameters, 18.6 GB in bf16. Its full fine-tune's step needs ~96 GiB
+    # (fp32 grads and main weights, Adam's moments streamed), more than one H100; rank-32 adapters
+    # on the attention need ~0.1 GB more than the frozen base. Drawn on the GPU in bf16 (fp32 on the host: 40 GB)
     "cuda-lora": DemoSpec(Path("outputs/moe-lora-gpu"), CONFIGS / "moe-lora-gpu-demo.yaml",
                           "copy_number", {
         "hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
@@ -139,7 +139,7 @@ def parse_demo(argv: list[str]) -> tuple[DemoSpec, list[str]]:
     parser.add_argument("--lora", action="store_true",
                         help="LoRA: on CPU, adapters on a tiny dense model "
                              "(configs/tiny-dense-lora-cpu.yaml); with --device cuda, on a "
-                             "10B MoE whose full fine-tune does not fit one H200 "
+                             "10B MoE whose full fine-tune does not fit one H100 "
                              "(configs/moe-lora-gpu-demo.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="a.b.c=value",
                         help="overrides of the demo's config (e.g. trainer.total_steps=5)")

@@ -158,8 +158,8 @@ def test_fields_table_lists_every_leaf_field():
     leaves = [p for p in schema_fields() if not any(
         q.startswith(p + ".") for q in schema_fields())]
     listed = [p for p in leaves if f"| `{p}` |" in table]
-    # not repeated: ref/critic parallel (7 each), critic optim (6) and offload (3), rollout_pool (2)
-    assert len(listed) == len(leaves) - 7 - 7 - 6 - 3 - 2
+    # not repeated: ref/critic parallel (7 each), critic optim (6) and offload (4), rollout_pool (2)
+    assert len(listed) == len(leaves) - 7 - 7 - 6 - 4 - 2
     assert fields_table(["ray"]).count("\n") == 2 + 3
 
 

@@ -116,12 +116,13 @@ def test_the_one_gpu_lora_config_fits_where_the_full_fine_tune_cannot(monkeypatc
     assert warned and "in the update" in warned[0].line()
 
 
-def test_the_gpu_lora_demo_trains_a_model_whose_full_fine_tune_does_not_fit_an_h200(
+def test_the_gpu_lora_demo_trains_a_model_whose_full_fine_tune_does_not_fit_an_h100(
         tmp_path, monkeypatch):
     """`megarl demo --device cuda --lora`: its model (config.json of the demo's spec, the
     weights are drawn on the GPU) has Qwen3-30B-A3B's layers at 10.0B parameters; with LoRA every
-    phase fits 141 GB, without adapters the update needs more (fp32 grads, main weights, Adam:
-    18 bytes a parameter over the 18.6 GB (2^30 bytes) of bf16 weights)."""
+    phase fits 141 GB; without adapters the update's step needs more than an H100's 80 GB (fp32
+    grads and main weights, Adam's moments streamed: 10 bytes a parameter over the 18.6 GB (2^30
+    bytes) of bf16 weights) and more than an H200's with the whole Adam state back (18)."""
     from megarl.config.estimates import GB, estimate, phase_estimates
     from megarl.config.model_info import load_model_info
     from megarl.config.validate import build_context
@@ -151,13 +152,21 @@ def test_the_gpu_lora_demo_trains_a_model_whose_full_fine_tune_does_not_fit_an_h
     phases = phase_estimates(estimate(lora, ctx.model, ctx.sizes))
     assert max(phases.values()) < 141 * GB, {k: v / GB for k, v in phases.items()}
     assert phases["update_actor"] < 2 * params * 1.5  # the bf16 base and little else
-    full, _ = load_config(spec.config, [*at_141, "actor.lora.rank=0"])
+    at_80 = [f"model.path={card}", "resources.gpu_memory_gb=80"]
+    full, _ = load_config(spec.config, [*at_80, "actor.lora.rank=0"])
     ctx = build_context(full)
     update = estimate(full, ctx.model, ctx.sizes).update
-    # colocated, the optimizer state comes to the GPU for the step only, whose 18 bytes a
-    # parameter (bf16 weights, fp32 grads, master copy and moments) alone exceed the H200
+    # colocated, the optimizer state comes to the GPU for the step only, which streams the Adam
+    # moments: its 10 bytes a parameter (bf16 weights, fp32 grads and master copy) + 3 chunks
+    # of moments (3 x the output layer's, 128 x 2048 x 8 bytes, below the 1 GiB chunk) alone
+    # exceed an H100
     assert update.optimizer_deferred and update.total >= update.optimizer_step
-    assert update.optimizer_step >= 18 * params > 141 * GB
+    assert update.optimizer_step == 10 * params + 3 * GB > 80 * GB
+    # the whole state back for the step: 18 bytes a parameter, more than an H200 holds
+    whole, _ = load_config(spec.config, [*at_141, "actor.lora.rank=0",
+                                         "actor.offload.optimizer_step_chunk_mb=0"])
+    ctx = build_context(whole)
+    assert estimate(whole, ctx.model, ctx.sizes).update.optimizer_step >= 18 * params > 141 * GB
     warned = [p for p in validate_config(full, allow_missing_files=True)
               if p.rule == "check_memory_fits"]
     assert warned and "in the update" in warned[0].line()
