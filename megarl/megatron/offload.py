@@ -155,7 +155,7 @@ class StateOffloader:
     stream_peak_bytes: int = 0
     """The most bytes of moments the last streamed step held on the device at once."""
     stream_chunks: int = 0
-    """The chunks of the last streamed step."""
+    """The chunks of the last streamed step (over the inner optimizers of a chained one)."""
     _armed: bool = False
 
     def __post_init__(self) -> None:
@@ -251,6 +251,7 @@ class StateOffloader:
             return self.reload(parts)
         restored = self._reload([s for s in _stores(parts) if s != "moments"])
         self._armed = "optimizer" in set(parts)
+        self.stream_peak_bytes = self.stream_chunks = 0
         return restored
 
     def _reload(self, stores: list[str]) -> int:
@@ -277,15 +278,16 @@ class StateOffloader:
 
     @torch.no_grad()
     def _streamed_step(self, inner: Any, step: Callable[..., Any], closure: Any = None) -> Any:
-        """``inner.step`` in chunks of moments (module docstring) once :meth:`reload_for_step`
-        armed it; the plain step otherwise (e.g. megatron's dummy step at a checkpoint load)."""
+        """``inner.step`` in chunks of moments (module docstring) from :meth:`reload_for_step`
+        to the next offload or reload (every inner optimizer of a chained one streams); the
+        plain step otherwise (e.g. megatron's dummy step at a checkpoint load, which runs with
+        everything reloaded)."""
         if not self._armed or closure is not None:
             return step(closure) if closure is not None else step()
         groups = inner.param_groups
         kept = [group["params"] for group in groups]
         todo = [(g, p) for g, params in enumerate(kept) for p in params if p.grad is not None]
         if not todo:
-            self._armed = False
             return step()
         held = {stash.storage._cdata: stash for stash in self.stashes.get("moments", [])}
         arena = self._arena("moments")
@@ -315,8 +317,8 @@ class StateOffloader:
         finally:
             for group, params in zip(groups, kept):
                 group["params"] = params
-            self._armed = False
-        self.stream_peak_bytes, self.stream_chunks = peak, len(chunks)
+        self.stream_peak_bytes = max(self.stream_peak_bytes, peak)
+        self.stream_chunks += len(chunks)
         return None
 
     def _plan(self, inner: Any, todo: list[tuple[int, torch.Tensor]], held: dict[int, _Stash],

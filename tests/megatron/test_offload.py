@@ -10,6 +10,7 @@ for the next update).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from megarl.megatron.parallel import ParallelSizes
@@ -209,6 +210,7 @@ def _worker_streamed_updates(model_dir: str, chunk_bytes: int) -> dict:
     worker.offloader.stream_bytes = chunk_bytes  # the tiny model's moments are a few hundred KiB
     dp, size = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     inners = _inner_optimizers(worker.actor.optimizer)
+    out: dict = {"inner_optimizers": len(inners)}
 
     def moments() -> list[torch.Tensor]:
         return [m for inner in inners for group in inner.param_groups
@@ -217,7 +219,7 @@ def _worker_streamed_updates(model_dir: str, chunk_bytes: int) -> dict:
     def mini_batch(seed: int) -> list[dict]:
         return [{k: v.tolist() for k, v in s.items()} for s in _batch(seed)[dp::size]]
 
-    out: dict = {"metrics": worker.update([mini_batch(1), mini_batch(2)])}
+    out["metrics"] = worker.update([mini_batch(1), mini_batch(2)])
     out["peaks"] = [worker.offloader.stream_peak_bytes]
     out["chunks"] = [worker.offloader.stream_chunks]
     out["moment_slabs"] = [worker.offloader.arenas["moments"].allocated_bytes]
@@ -241,18 +243,21 @@ def _worker_streamed_updates(model_dir: str, chunk_bytes: int) -> dict:
     return out
 
 
-def test_a_streamed_optimizer_step_equals_the_whole_one_and_holds_three_chunks(pool2,
-                                                                             tiny_models):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_a_streamed_optimizer_step_equals_the_whole_one_and_holds_three_chunks(pool2, tiny_models,
+                                                                             arch):
     """``offload.optimizer_step_chunk_mb``: each step brings the Adam moments to the device a
     chunk at a time and sends them back (on a CPU the copies are plain): the three steps (the
     first makes the moments, the second and third stream them) equal, bit for bit, those of a
     worker that never offloads; after a step no moment is on the device while the fp32 main
-    params are; at no time did a step hold more than three chunks of moments."""
-    kept = pool2.run(_worker_updates, tiny_models["qwen3"], False)
+    params are; at no time did a step hold more than three chunks of moments. The MoE model's
+    optimizer is megatron's chained one (dense and expert parameters): both stream."""
+    kept = pool2.run(_worker_updates, tiny_models[arch], False)
     chunk = 16 << 10
-    streamed = pool2.run(_worker_streamed_updates, tiny_models["qwen3"], chunk)
+    streamed = pool2.run(_worker_streamed_updates, tiny_models[arch], chunk)
     for rank in range(2):
         ref, got = kept[rank], streamed[rank]
+        assert got["inner_optimizers"] == (2 if arch == "qwen3_moe" else 1)
         assert got["metrics"] == ref["metrics"]
         for key, value in ref["final"].items():
             assert torch.equal(value, got["final"][key]), key
