@@ -30,6 +30,16 @@ def count(n: int) -> str:
     return str(n)
 
 
+def _step_optimizer(u: UpdateMemory) -> str:
+    """The optimizer state an optimizer step holds: all of it, or with streamed moments the
+    rest and three chunks of them."""
+    st = u.state
+    if not u.stream_window or u.stream_window >= st.moments:
+        return size(st.optimizer)
+    return (f"{size(st.optimizer - st.moments)} + Adam moments {size(u.stream_window)} at a time "
+            f"of {size(st.moments)} (actor.offload.optimizer_step_chunk_mb)")
+
+
 def _update_rows(cfg: RunConfig, est: Estimates) -> list[tuple[str, str]]:
     """Rows of the actor's update and the weight sync."""
     u, st = est.update, est.update.state
@@ -44,7 +54,7 @@ def _update_rows(cfg: RunConfig, est: Estimates) -> list[tuple[str, str]]:
             ("actor update", (f"weights {size(st.weights)} + grads {size(st.grads)} + "
                               f"activations {size(u.activations)} + logits {size(u.logits)}"
                               f"{others} = {size(u.forward_backward)}")),
-            ("", (f"optimizer step: weights + grads + optimizer {size(st.optimizer)}{others} = "
+            ("", (f"optimizer step: weights + grads + optimizer {_step_optimizer(u)}{others} = "
                   f"{size(u.optimizer_step)} (actor.offload.optimizer_offload); peak "
                   f"{size(u.total)}"))]
     else:

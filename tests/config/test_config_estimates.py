@@ -5,6 +5,7 @@ a phase does not fit ``resources.gpu_memory_gb``."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from megarl.config.estimates import (
     micro_batches_in_flight,
     stage_layers,
 )
-from megarl.config.estimates_report import format_estimates
+from megarl.config.estimates_report import _step_optimizer, format_estimates
 from megarl.config.schema import ParallelConfig
 from megarl.config.validate import validate_config
 
@@ -267,6 +268,13 @@ def test_an_offloaded_optimizer_state_is_on_the_gpu_for_the_steps_only(tiny_moe_
                                       derive_sizes(cfg, load_model_info(tiny_moe_dir))))
     assert "optimizer step: weights + grads + optimizer" in text
     assert "(actor.offload.optimizer_offload); peak" in text
+    # a streamed step (offload.optimizer_step_chunk_mb) holds its window of the moments only;
+    # the tiny model's moments fit in one window, a quarter of them is a smaller one
+    assert 0 < d.state.moments <= d.state.optimizer and d.stream_window >= d.state.moments
+    streamed = replace(d, stream_window=d.state.moments // 4)
+    assert streamed.optimizer_step == (d.optimizer_step - d.state.moments
+                                       + d.state.moments // 4)
+    assert "Adam moments" in _step_optimizer(streamed) and "Adam" not in _step_optimizer(d)
     # a GPU too small for the state: with the state kept, the fix offers the offload
     tight = tiny_config(tiny_moe_dir, "actor.offload.optimizer_offload=false",
                         "actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=8",
