@@ -212,6 +212,8 @@ class StateOffloader:
         them is in host memory already stays there."""
         self._armed = False
         found = {store: self._storages(store) for store in _stores(parts)}
+        for store in found:  # in host memory from now on, also where nothing needed moving
+            self.stashes.setdefault(store, [])
         found = {store: storages for store, storages in found.items() if storages}
         pin = self._on_gpu()
         freed = 0
