@@ -136,3 +136,16 @@ def test_lora_demo_summary_reads_the_log_and_the_metrics_beside_it(tmp_path):
     assert r["update_peak_allocated_gb"] == 44.0 and r["probs_diff_max"] == 0.07
     assert (r["score_first_fifth"], r["score_last_fifth"]) == (0.0, 0.4)
     assert png.stat().st_size > 10_000
+
+
+def test_optimizer_step_smoke_streams_the_same_parameters(tmp_path):
+    """``optimizer_step.py``: the whole offloaded state against the streamed moments on the CPU
+    (copies without streams): the same parameters after the steps, several chunks, a ratio."""
+    out = tmp_path / "optimizer_step.json"
+    assert load("optimizer_step").main(["--device", "cpu", "--gb", "0.1", "--chunk-mb", "8",
+                                        "--repeats", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["same_parameters"] and report["streamed"]["chunks"] >= 5
+    assert report["whole"]["chunks"] == 0
+    assert report["streamed_over_whole_s"] == (report["streamed"]["seconds"]
+                                               / report["whole"]["seconds"])
