@@ -201,7 +201,9 @@ class StateOffloader:
 
     def _arena(self, store: str) -> HostArena:
         """``store``'s slabs; every range handed out is free again when it holds nothing."""
-        arena = self.arenas.setdefault(store, HostArena(self._on_gpu(), self.slab_bytes))
+        if store not in self.arenas:
+            self.arenas[store] = HostArena(self._on_gpu(), self.slab_bytes)
+        arena = self.arenas[store]
         if not self.stashes.get(store):
             arena.reset()  # this store's earlier copies were all reloaded
         return arena
@@ -229,7 +231,7 @@ class StateOffloader:
                     host = arena.take(storage.nbytes())
                     host.store(_bytes_of(storage), non_blocking=pin)
                 moved.append(_Stash(storage, storage.nbytes(), host))
-                self.stashes.setdefault(store, []).append(moved[-1])
+                self.stashes[store].append(moved[-1])
         if pin:
             torch.cuda.synchronize()
         for stash in moved:
@@ -293,9 +295,9 @@ class StateOffloader:
             return step()
         held = {stash.storage._cdata: stash for stash in self.stashes.get("moments", [])}
         arena = self._arena("moments")
-        chunks = self._plan(inner, todo, held, arena)
+        chunks = self._plan(inner, todo, arena)
         mover = _Mover(self._on_gpu())
-        live = peak = 0
+        peak = 0
         try:
             incoming = mover.bring_in(self._held_moments(inner, chunks[0], held))
             outgoing: tuple[list[_Stash], Any] | None = None
@@ -323,7 +325,7 @@ class StateOffloader:
         self.stream_chunks += len(chunks)
         return None
 
-    def _plan(self, inner: Any, todo: list[tuple[int, torch.Tensor]], held: dict[int, _Stash],
+    def _plan(self, inner: Any, todo: list[tuple[int, torch.Tensor]],
               arena: HostArena) -> list[list[tuple[int, torch.Tensor]]]:
         """``todo`` in consecutive chunks of at most ``stream_bytes`` of moments (one parameter
         at least); host ranges are reserved for the moments a first step makes."""
@@ -331,10 +333,8 @@ class StateOffloader:
         size, new = 0, []
         for g, param in todo:
             moments = _moments(inner, param)
-            if moments:
-                nbytes = sum(held[m.untyped_storage()._cdata].nbytes
-                             if m.untyped_storage()._cdata in held
-                             else m.untyped_storage().nbytes() for m in moments)
+            if moments:  # each the whole of its storage (_is_moment), in host memory or not
+                nbytes = sum(m.numel() * m.element_size() for m in moments)
             else:  # made by this step: Adam's two, in the parameter's dtype
                 nbytes = 2 * param.numel() * param.element_size()
                 new += [nbytes // 2] * 2
