@@ -30,13 +30,15 @@ class HealthThresholds:
     """Limits of the alarms; the defaults are the table of PITFALLS.md."""
 
     kl_max: float = 1.0
-    """actor/kl_loss (or critic/kl) above this: policy drift."""
+    """actor/kl_loss (the KL loss) or actor/reward_kl_penalty (the in-reward KL) above this:
+    policy drift."""
     entropy_min: float = 1.0
     """actor/entropy below this: entropy collapse."""
     grad_norm_max: float = 10.0
     """actor/grad_norm above this: explosion."""
     clip_ratio: float = 0.2
-    """The PPO clip ratio (actor.clip_ratio_low); |actor/ppo_kl| at or above it fires."""
+    """The PPO clip ratio (actor.clip_ratio_high: with clip-higher the wider side, the furthest
+    an update may move a token's ratio); |actor/ppo_kl| at or above it fires."""
     clipfrac_max: float = 0.5
     """actor/pg_clipfrac above this: learning rate too high."""
     rollout_probs_diff_max: float = 0.01
@@ -167,9 +169,14 @@ def default_alarms(t: HealthThresholds) -> list[ThresholdAlarm | SuddenChangeAla
             knob="possible reward hacking: inspect high-reward samples and the reward function",
             **sudden),
         ThresholdAlarm(
-            "kl_high", ("actor/kl_loss", "critic/kl"), t.kl_max, above=True,
+            "kl_high", ("actor/kl_loss",), t.kl_max, above=True,
             normal="0.001 - 0.1",
             knob="policy drift: lower actor.optim.lr or raise actor.kl_loss_coef"),
+        ThresholdAlarm(
+            "reward_kl_high", ("actor/reward_kl_penalty",), t.kl_max, above=True,
+            normal="0.001 - 0.1",
+            knob="policy drift: lower actor.optim.lr or raise algorithm.kl_ctrl.kl_coef "
+                 "(or algorithm.kl_ctrl.type=adaptive with a target_kl)"),
         ThresholdAlarm(
             "entropy_low", ("actor/entropy",), t.entropy_min, above=False, normal="2 - 6",
             knob="entropy collapse: raise actor.entropy_coeff or use clip-higher "

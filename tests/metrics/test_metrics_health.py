@@ -48,7 +48,7 @@ def test_silent_on_a_healthy_stream():
     assert counts["health/num_alarms"] == 0
     assert all(v == 0 for v in counts.values())
     assert set(counts) == {f"health/{n}" for n in (
-        "reward_jump", "kl_high", "entropy_low", "grad_norm_high", "ppo_kl_at_clip",
+        "reward_jump", "kl_high", "reward_kl_high", "entropy_low", "grad_norm_high", "ppo_kl_at_clip",
         "clipfrac_high", "response_length_jump", "gen_throughput_drop", "rollout_probs_diff",
         "non_finite")} | {"health/num_alarms"}
 
@@ -56,6 +56,7 @@ def test_silent_on_a_healthy_stream():
 # (alarm, metric, bad value, pieces the warning must name: normal range and knob)
 THRESHOLD_ROWS = [
     ("kl_high", "actor/kl_loss", 1.5, ["0.001 - 0.1", "actor.kl_loss_coef"]),
+    ("reward_kl_high", "actor/reward_kl_penalty", 1.5, ["0.001 - 0.1", "algorithm.kl_ctrl.kl_coef"]),
     ("entropy_low", "actor/entropy", 0.4, ["2 - 6", "actor.entropy_coeff"]),
     ("grad_norm_high", "actor/grad_norm", 25.0, ["0.1 - 1", "actor.grad_clip"]),
     ("ppo_kl_at_clip", "actor/ppo_kl", 0.2, ["clip ratio 0.2", "actor.ppo_epochs"]),
@@ -85,9 +86,9 @@ def test_threshold_edges():
     monitor = HealthMonitor(thresholds=HealthThresholds(clip_ratio=0.28))
     assert monitor.check({"actor/ppo_kl": 0.27, "actor/kl_loss": 1.0, "actor/entropy": 1.0,
                           "actor/grad_norm": 10.0, "actor/pg_clipfrac": 0.5}, 1) == []
-    lines = monitor.check({"actor/ppo_kl": -0.28, "critic/kl": 1.01}, 2)
-    assert [line.split()[3] for line in lines] == ["kl_high:", "ppo_kl_at_clip:"]
-    assert "critic/kl = 1.01" in lines[0]
+    lines = monitor.check({"actor/ppo_kl": -0.28, "actor/reward_kl_penalty": 1.01}, 2)
+    assert [line.split()[3] for line in lines] == ["reward_kl_high:", "ppo_kl_at_clip:"]
+    assert "actor/reward_kl_penalty = 1.01" in lines[0]
     assert monitor.metrics()["health/num_alarms"] == 2
 
 

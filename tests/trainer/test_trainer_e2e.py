@@ -14,6 +14,7 @@ from trainer_runs import first_and_last_fifth, fit
 
 from megarl.config import load_config
 from megarl.demo import DEMO_CONFIG
+from megarl.metrics.health import HealthThresholds, default_alarms
 from megarl.trainer import Trainer
 
 REQUIRED = [
@@ -75,6 +76,9 @@ def test_three_steps_sync_weights_report_every_metric_and_penalise_kl(assets, tm
             history.append(metrics)
             missing = [k for k in REQUIRED if k not in metrics]
             assert not missing, missing
+            # every metric a health alarm watches is one the trainer logs (the KL loss is off)
+            watched = {m for alarm in default_alarms(HealthThresholds()) for m in alarm.metrics}
+            assert watched - set(metrics) == {"actor/kl_loss"}, watched - set(metrics)
             bad = {k: v for k, v in metrics.items() if not math.isfinite(v)}
             assert not bad, bad
             assert metrics["training/rollout_probs_diff_mean"] < 1e-3
@@ -410,3 +414,38 @@ def test_the_tools_demo_learns_to_call_the_calculator(tmp_path):
         # a call's result comes back (a malformed call is an error observation)
         assert 1 <= m["agent/num_turns/mean"] <= 2 and m["agent/tool_error_rate"] < 0.25
     assert (tmp_path / "run" / "run.png").stat().st_size > 10_000
+
+
+def test_a_run_that_fails_still_writes_its_plot_and_timeline(assets, tmp_path, monkeypatch):
+    """PITFALLS M6: the timeline (and the metrics' plot) of a run whose step 2 raised is written
+    before the error reaches the caller, and the error is the step's own."""
+    import megarl.trainer.step as step_module
+    from megarl.metrics.health import HealthMonitor
+    from megarl.metrics.trackers import MultiTracker, TrackerSettings
+
+    class FailingScheduler:
+        calls = 0
+        closed = False
+
+        def step(self, last: bool) -> dict[str, float]:
+            FailingScheduler.calls += 1
+            if FailingScheduler.calls == 2:
+                raise RuntimeError("step 2 broke")
+            return {"critic/score/mean": 0.5, "timing/step": 1.0}
+
+        def close(self) -> None:
+            FailingScheduler.closed = True
+
+    monkeypatch.setattr(step_module, "build_scheduler", lambda trainer, cfg: FailingScheduler())
+    out = tmp_path / "run"
+    trainer = make_trainer(assets, out, "trainer.total_steps=3", "trainer.val_every=0",
+                           f"ray.timeline_file={tmp_path / 'timeline.json'}")
+    trainer.health = HealthMonitor()
+    trainer.tracker = MultiTracker.from_names(["jsonl"], TrackerSettings(output_dir=out))
+    with pytest.raises(RuntimeError, match="^step 2 broke$"):
+        trainer.fit()
+    trainer.tracker.close()
+    assert FailingScheduler.closed
+    assert (tmp_path / "timeline.json").stat().st_size > 0  # Ray's trace of the job so far
+    assert (out / "run.png").stat().st_size > 0
+    assert '"step": 1' in (out / "metrics.jsonl").read_text()
