@@ -435,6 +435,8 @@ def _ignored_settings(cfg: RunConfig) -> list[tuple[str, bool, str]]:
         ("scheduler.partial_rollout", sched_off, "set scheduler.mode=fully_async"),
         ("scheduler.max_queue_length", sched_off, "set scheduler.mode=fully_async"),
         ("trainer.wandb_proxy", "wandb" not in cfg.trainer.loggers, "add wandb to trainer.loggers"),
+        ("ray", cfg.trainer.worker_group == "naive",
+         "set trainer.worker_group=ray (the no-Ray mode starts no Ray: no timeline, no address)"),
         ("ref", not cfg.ref.enabled, "set actor.use_kl_loss=true or ref.enabled=true"),
         ("critic", not cfg.critic.enabled, "set algorithm.adv_estimator=gae"),
         ("actor.lora", cfg.actor.lora.rank == 0, "set actor.lora.rank > 0"),

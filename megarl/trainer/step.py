@@ -52,8 +52,11 @@ class Trainer(StepPhases):
                     self) else 0.0
             scheduler.finish()
             publish_checkpoint(self)  # a background save still being written
-        finally:
+        except BaseException:
             scheduler.close()
+            self.finish(failed=True)  # the plot and the timeline of the steps until the failure
+            raise
+        scheduler.close()
         self.finish()
         return history
 

@@ -244,6 +244,9 @@ CASES = [
     ("check_settings_without_effect", ["actor.offload.optimizer_offload=false",
                                        "actor.offload.optimizer_step_chunk_mb=256"], None,
      ["actor.offload.optimizer_step_chunk_mb"], "actor.offload.optimizer_offload=true", "warning"),
+    ("check_settings_without_effect", ["trainer.worker_group=naive",
+                                       "ray.timeline_file=/tmp/megarl_timeline.json"], None,
+     ["ray.timeline_file"], "set trainer.worker_group=ray", "warning"),
     # multi-turn episodes (rollout.multi_turn)
     ("check_multi_turn", ["rollout.multi_turn.enable=true"], None,
      ["rollout.multi_turn.tools", "rollout.multi_turn.env"],
