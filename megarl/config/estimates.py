@@ -54,7 +54,8 @@ Formulas (h hidden size, t tp, s = t with sequence parallelism else 1, k top_k, 
   (``*.log_prob_max_token_len_per_gpu``, else the update's budget) and on the last stage one
   chunk of logits with the gathered hidden states (no gradients).
 * Weight sync: what the actor keeps while idle, its weights always (the sync reads them; param
-  offload starts after it) + one bucket (+ the engine's weights, colocated).
+  offload starts after it) + the sender's two bucket buffers (one packed while the other is in
+  flight) (+ the engine's weights, colocated).
 * Rollout GPU: engine weights = params x bytes(rollout.dtype) / gpus_per_engine (with
   ``rollout.quantization=fp8`` the projections take 1 byte each plus an fp32 scale per 128x128
   block, :meth:`ModelInfo.weight_bytes`); the KV-cache pool
@@ -79,6 +80,10 @@ from megarl.config.lora_layers import (
 from megarl.config.model_info import DTYPE_BYTES, ModelInfo
 from megarl.config.schema import OffloadConfig, ParallelConfig, RunConfig
 from megarl.config.schema_train import RecomputeConfig
+
+BUCKETS_IN_FLIGHT = 2
+"""Bucket buffers a weight sender holds at once: bucket k+1 is packed while k is in flight
+(:class:`~megarl.weights.buckets.BufferPool`'s slots, the SGLang sender's two buckets)."""
 
 GB = 2**30
 GRAD_BYTES = 4  # megatron accumulates and reduces gradients in fp32 buffers
@@ -227,7 +232,9 @@ class Estimates:
     actor_resident: int
     sync_actor: int
     """What the actor holds during the weight sync: what it keeps idle, plus its weights."""
-    bucket: int
+    buckets: int
+    """The sender's bucket buffers: two of ``checkpoint_engine.bucket_size_mb`` (double
+    buffering; :class:`~megarl.weights.buckets.BufferPool`)."""
     sync: int
     log_prob: LogProbMemory
     engine: EngineMemory | None
@@ -505,12 +512,12 @@ def estimate(cfg: RunConfig, model: ModelInfo, sizes: DerivedSizes) -> Estimates
     actor_resident = update.state.resident(cfg.actor.offload)
     sync_actor = actor_resident + (update.state.weights if cfg.actor.offload.param_offload else 0)
     engine = engine_memory(cfg, model, sizes, actor_resident + other)
-    bucket = cfg.checkpoint_engine.bucket_size_mb * 2**20
-    sync = sync_actor + other + bucket + (
+    buckets = BUCKETS_IN_FLIGHT * cfg.checkpoint_engine.bucket_size_mb * 2**20
+    sync = sync_actor + other + buckets + (
         engine.weights if engine is not None and engine.colocated else 0)
     mem = cfg.resources.gpu_memory_gb
     return Estimates(params=ParamCounts.of(model), update=update, actor_resident=actor_resident,
-                     sync_actor=sync_actor, bucket=bucket, sync=sync,
+                     sync_actor=sync_actor, buckets=buckets, sync=sync,
                      log_prob=log_prob_memory(cfg, model, sizes, vocab, sync_actor, other),
                      engine=engine, gpu_memory=None if mem is None else int(mem * GB))
 

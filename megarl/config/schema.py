@@ -142,7 +142,8 @@ class CheckpointEngineConfig(Section):
         "`megarl train` streams over ipc and nccl; nixl/disk run in `megarl bench weight-sync`"))
     bucket_size_mb: int = Field(2048, ge=1, description=(
         "size of one streamed bucket (verl `update_weights_bucket_megabytes`); each sending rank "
-        "holds at most one extra bucket"))
+        "holds at most two (one packed while the other is in flight; counted in the sync's "
+        "memory estimate)"))
 
 
 class KLControlConfig(Section):

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from megarl.config import (
     derive_sizes,
@@ -18,6 +19,7 @@ from megarl.config import (
     resolve_sizes,
 )
 from megarl.config.estimates import (
+    BUCKETS_IN_FLIGHT,
     GB,
     estimate,
     micro_batches_in_flight,
@@ -25,6 +27,7 @@ from megarl.config.estimates import (
 )
 from megarl.config.estimates_report import _step_optimizer, format_estimates
 from megarl.config.schema import ParallelConfig
+from megarl.weights.buckets import BufferPool
 from megarl.config.validate import validate_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -185,7 +188,9 @@ def test_engine_and_sync_by_hand(tiny_moe_dir):
     assert e.kv_bytes_per_sequence == 2 * 2 * 2 * 16 * 4 * 96  # K,V x layers x kv x dim x fp32
     assert e.sequences_fit == (usable - e.weights) // e.kv_bytes_per_sequence
     assert e.train_resident == 0 and not e.colocated  # the demo has its own rollout pool
-    assert est.sync == est.update.state.total + 16 * 2**20  # actor state + one 16 MB bucket
+    # actor state + the sender's two 16 MB bucket buffers (BufferPool's two slots)
+    assert est.sync == est.update.state.total + 2 * 16 * 2**20
+    assert BufferPool(torch.empty, lambda buffer: None, 16).slots == BUCKETS_IN_FLIGHT == 2
 
 
 def test_fp8_engines_hold_one_byte_per_projection_weight(tiny_moe_dir):
@@ -231,7 +236,7 @@ def test_colocated_offload_defaults_and_the_sync_with_param_offload(tiny_moe_dir
     colocated = ("rollout.colocate=true", "resources.rollout_pool=null",
                  "resources.gpu_memory_gb=0.01")
     est, _ = tiny_estimate(tiny_moe_dir, *colocated)
-    st, bucket = est.update.state, 16 * 2**20
+    st, bucket = est.update.state, 2 * 16 * 2**20  # two bucket buffers
     assert est.actor_resident == est.engine.train_resident == st.weights
     assert est.sync == st.weights + bucket + est.engine.weights
     off, _ = tiny_estimate(tiny_moe_dir, *colocated, "actor.offload.param_offload=true")
@@ -339,7 +344,7 @@ def test_state_heavy_layout_points_at_parallelism(monkeypatch):
     update, sync = memory_warnings(cfg)
     assert "needs ~46.1 GB in the update" in update.message and "has 40.0 GB" in update.message
     assert "actor.parallel.ep" in update.fields and "add GPUs" in update.fix
-    assert "weight sync needs ~44.7 GB" in sync.message
+    assert "weight sync needs ~45.7 GB" in sync.message  # incl. two 1 GB bucket buffers
     assert "checkpoint_engine.bucket_size_mb" in sync.fields
 
 

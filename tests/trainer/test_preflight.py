@@ -71,7 +71,7 @@ def test_colocated_phases_count_what_the_other_role_holds(cuda_run):
         kept_update.forward_backward) > light["update_actor"] == est.update.total
     assert est.update.total == max(est.update.forward_backward, est.update.optimizer_step)
     assert est.update.forward_backward == kept_update.forward_backward - state.optimizer
-    assert light["sync_weights"] == (state.weights + est.bucket + est.engine.weights
+    assert light["sync_weights"] == (state.weights + est.buckets + est.engine.weights
                                      + est.update.other_roles)
     assert light["gen"] == est.engine.usable + state.weights + est.update.other_roles
     resident = state.weights + est.update.other_roles
