@@ -93,6 +93,7 @@ def train_main(argv: list[str]) -> int:
         return 2
     if cfg.trainer.worker_group == "naive":
         init_naive(timeout_s=cfg.trainer.phase_timeout_s)
+    from megarl.cluster.errors import WorkerDiedError, WorkerTimeoutError
     from megarl.cluster.preflight import NodeMemoryError, NodePathError
     from megarl.data.dataset import DatasetError
 
@@ -105,6 +106,9 @@ def train_main(argv: list[str]) -> int:
         return 2
     except (PhaseOutOfMemory, NonFiniteUpdates) as err:  # one line with the knobs (T1, T5)
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except (WorkerTimeoutError, WorkerDiedError) as err:  # the ranks, phase, logs (T2, T6):
+        print(f"error: {err}", file=sys.stderr)  # the driver's own stack would add nothing
         return 1
     finally:
         trainer.close()
