@@ -117,20 +117,20 @@ def init_ray(
     if address == "local":
         on_existing, address = "start", None
     if address is not None:
-        _warn_ignored_num_cpus(num_cpus, f"ray.address={address!r}")
         _join(address, namespace, reason=f"ray.address={address!r}")
+        _warn_ignored_num_cpus(num_cpus, f"ray.address={address!r}")
         return _runtime(started_here=False)
     existing = find_local_ray()
     if existing and on_existing != "start":
         if on_existing == "error":
             raise RayStartError(f"ray.address is null but a Ray instance is already "
                                 f"{_how_to_stop(existing)}")
-        _warn_ignored_num_cpus(num_cpus, "the running local instance")
         logger.warning("attaching to the Ray instance already running on this node at %s "
                        "(raylet pid %d); set ray.address to choose explicitly",
                        existing[0].gcs_address, existing[0].raylet_pid)
         _join(existing[0].gcs_address, namespace, reason="an existing local Ray instance",
               existing=existing)
+        _warn_ignored_num_cpus(num_cpus, "the running local instance")
         return _runtime(started_here=False)
     if num_cpus is None and os.environ.get("SLURM_CPUS_ON_NODE"):
         num_cpus = int(os.environ["SLURM_CPUS_ON_NODE"])
@@ -168,10 +168,19 @@ def _reap_agents_with_this_process(gcs_address: str) -> None:
 
 
 def _warn_ignored_num_cpus(num_cpus: int | None, target: str) -> None:
-    if num_cpus is not None:
-        logger.warning("ray.num_cpus=%s is ignored when joining %s: the CPUs of a running "
-                       "cluster are set where it was started (`ray start --num-cpus`)",
-                       num_cpus, target)
+    """After joining: warn when ``num_cpus`` differs from the CPUs this node of the cluster
+    offers (a Slurm job's nodes were started with it: then it is only what they offer)."""
+    if num_cpus is None:
+        return
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    offered = next((node["Resources"].get("CPU") for node in ray.nodes()
+                    if node["NodeID"] == here), None)
+    if offered != num_cpus:
+        logger.warning("ray.num_cpus=%s is ignored when joining %s (this node offers %s CPUs): "
+                       "the CPUs of a running cluster are set where it was started (`ray start "
+                       "--num-cpus`)", num_cpus, target, offered)
 
 
 def _join(

@@ -329,6 +329,10 @@ def test_existing_ray_is_detected_attached_or_reported(ray_runtime):
             out = {{"error": str(err)}}
         runtime = init_ray({ours!r}, num_cpus=1)
         out["attached"], out["cpus"] = runtime.gcs_address, runtime.cpus
+        import ray, sys
+        ray.shutdown()
+        print("JOINING WITH ITS OWN CPUS", file=sys.stderr, flush=True)
+        init_ray({ours!r}, num_cpus=3)  # what the node offers (the Slurm script's case): quiet
         print("RESULT" + json.dumps(out))
     """)
     start = time.monotonic()
@@ -341,7 +345,9 @@ def test_existing_ray_is_detected_attached_or_reported(ray_runtime):
     assert out["error"] is not None and "already running on this node" in out["error"]
     assert ours in out["error"] and "`ray stop`" in out["error"]
     assert (out["attached"], out["cpus"]) == (ours, 3.0)  # num_cpus=1 cannot shrink it
-    assert "ray.num_cpus=1 is ignored when joining" in proc.stderr
+    first, second = proc.stderr.split("JOINING WITH ITS OWN CPUS")
+    assert "ray.num_cpus=1 is ignored when joining" in first and "offers 3.0 CPUs" in first
+    assert "ignored when joining" not in second
     with pytest.raises(RayStartError, match="could not join Ray at 127.0.0.1:1"):
         _join_in_subprocess("127.0.0.1:1")
 
