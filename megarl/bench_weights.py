@@ -201,7 +201,7 @@ def _measure_adapter_sync(job: RankJob, model: Any, settings: Any) -> dict[str, 
                 raise RuntimeError(f"adapter sync: {url}{path}: {answer.get('error_message')}")
 
     times, sent, previous = [], 0, None
-    with httpx.Client(timeout=600) as client:
+    with httpx.Client(timeout=600, trust_env=False) as client:  # engines directly (M5)
         for r in range(job.repeats + 1):  # the first one is not timed
             start = time.perf_counter()
             adapter = peft_adapter(model, settings)

@@ -73,7 +73,7 @@ class ManagedServer:
         """Whether the health URL answers 200."""
         try:
             response = httpx.get(self.url + self.health_path, timeout=timeout_s,
-                                 headers=self._headers)
+                                 headers=self._headers, trust_env=False)  # no env proxy (M5)
         except httpx.HTTPError:
             return False
         return response.status_code == 200

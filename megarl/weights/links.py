@@ -74,7 +74,7 @@ class HttpLink:
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._client = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=30.0),
-                                    headers=headers)
+                                    headers=headers, trust_env=False)  # no env proxy (M5)
         self._pool = concurrent.futures.ThreadPoolExecutor(len(self.urls),
                                                            thread_name_prefix="megarl-http-link")
 

@@ -288,7 +288,7 @@ class ColocatedSender:
 
             headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
             self._http = httpx.Client(timeout=httpx.Timeout(timeout_s, connect=10.0),
-                                      headers=headers)
+                                      headers=headers, trust_env=False)  # no env proxy (M5)
 
     def _engine_groups(self, world_size: int, size: int) -> dist.ProcessGroup | None:
         """A gloo group per engine (collective: every train rank creates all of them)."""

@@ -163,3 +163,39 @@ def test_text_prompts_info_and_flush(server):
         assert info["is_generation"] and info["weight_version"] == "default"
         assert http.get("/get_model_info").json() == info
         assert http.post("/flush_cache").status_code == 200
+
+
+def test_a_proxy_of_the_environment_does_not_carry_engine_traffic(server, prompts, monkeypatch):
+    """PITFALLS M5: a user's HTTP_PROXY (a cluster's way to the internet) must not carry the
+    calls to the engines. Here it points at a port where nothing listens: a client that used it
+    could not reach the engine at all."""
+    from megarl.net import free_port
+    from megarl.weights.links import HttpLink
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, dead)
+    for name in ("NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    with httpx.Client(timeout=10) as proxied, pytest.raises(httpx.ConnectError):
+        proxied.get(server.url + "/health")  # httpx by default goes through the dead proxy
+
+    async def scenario() -> tuple[list[bool], list]:
+        client = SGLangClient([server.url], max_retries=0)
+        try:
+            return await client.health(), await client.generate(
+                prompts[:1], SamplingParams(max_new_tokens=2, temperature=0.0))
+        finally:
+            await client.close()
+
+    healthy, samples = asyncio.run(scenario())
+    assert healthy == [True] and len(samples[0].response_ids) == 2
+    assert server.healthy()  # the launcher's health check
+    link = HttpLink([server.url], timeout_s=10)
+    try:
+        reply, = link.post([{"op": "no_such_op"}])()
+    finally:
+        link.close()
+    print(reply)
+    assert "answered HTTP" in reply["error"] or "no_such_op" in reply["error"], reply
+    assert "ProxyError" not in reply["error"]

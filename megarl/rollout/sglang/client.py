@@ -547,9 +547,10 @@ def _pooled(connections: int, timeout_s: float | None,
             headers: dict[str, str] | None) -> httpx.AsyncClient:
     """An HTTP client keeping up to ``connections`` connections alive; idle ones are dropped
     after 2 s, before a server closes them (uvicorn does after 5 s), so a request rarely meets
-    a connection the server is closing."""
+    a connection the server is closing. Engines are reached directly: an ``HTTP_PROXY`` of the
+    user's environment is not used (PITFALLS M5)."""
     return httpx.AsyncClient(
-        timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers,
+        timeout=httpx.Timeout(timeout_s, connect=10.0), headers=headers, trust_env=False,
         limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections,
                             keepalive_expiry=2.0))
 
