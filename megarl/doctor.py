@@ -79,7 +79,7 @@ def check_package(name: str) -> Check:
 
 def check_python() -> Check:
     """Python >= 3.11."""
-    if sys.version_info >= (3, 11):
+    if sys.version_info >= (3, 11):  # noqa: UP036 - the check reports an older interpreter
         return Check("PASS", "python", platform.python_version())
     return Check("FAIL", "python", platform.python_version(), "use Python 3.11 or newer")
 
@@ -104,7 +104,7 @@ def check_devices() -> list[Check]:
     smi = shutil.which("nvidia-smi")
     if smi:
         out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
+                             capture_output=True, text=True, timeout=30, check=False)
         checks.append(Check("PASS", "driver", out.stdout.strip().splitlines()[0]
                             if out.returncode == 0 and out.stdout.strip() else "unknown"))
     return checks
@@ -145,18 +145,64 @@ def check_layer_spec() -> Check:
     return Check("PASS", "layer_spec", "TransformerEngine spec")
 
 
+def check_modules() -> Check:
+    """The key modules instantiate (PITFALLS S1): a one-layer tiny Qwen3-MoE built as megarl's
+    actor (megatron-core's GPTModel through mbridge, its weights loaded from an HF checkpoint)
+    runs a forward in a one-process group, on the GPU where there is one."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return Check("WARN", "modules", "not checked: a process group already exists here")
+    cuda = torch.cuda.is_available()
+    try:
+        from megarl.data.tiny_model import make_tiny_model
+        from megarl.megatron.model import build_actor_model
+        from megarl.megatron.parallel import ParallelSizes, destroy_parallel
+
+        with tempfile.TemporaryDirectory(prefix="megarl-doctor-") as tmp:
+            path = make_tiny_model(Path(tmp) / "model", arch="qwen3_moe", seed=0)
+            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
+                                    init_method=f"tcp://127.0.0.1:{free_port()}")
+            try:
+                actor = build_actor_model(path, ParallelSizes(),
+                                          torch.bfloat16 if cuda else torch.float32)
+                device = "cuda" if cuda else "cpu"
+                ids = torch.arange(8, device=device)[None]
+                logits = actor.chunks[0](input_ids=ids, position_ids=ids, attention_mask=None)
+                ok = bool(torch.isfinite(logits).all())
+            finally:
+                destroy_parallel()
+                dist.destroy_process_group()
+    except Exception as err:  # noqa: BLE001 - report whatever the stack raises
+        return Check("FAIL", "modules", f"a tiny actor did not build or run: "
+                     f"{type(err).__name__}: {err}", "install megatron-core, mbridge and "
+                     "transformers within the tested ranges above (`pip install -e .`)")
+    if not ok:
+        return Check("FAIL", "modules", "a tiny actor's forward gave non-finite logits",
+                     "check the torch build and the GPU (`megarl doctor --report` for the issue)")
+    return Check("PASS", "modules", f"tiny MoE actor ({actor.spec} spec) built through mbridge "
+                 f"and ran a forward on {'cuda' if cuda else 'cpu'}")
+
+
 def check_ray() -> Check:
-    """Whether a local Ray instance is already running (PITFALLS S2)."""
+    """Whether a local Ray instance is already running (PITFALLS S2): any on this node, found
+    through its raylet process as ``megarl train`` finds it (a Slurm job's too)."""
     try:
         import ray  # noqa: F401
     except ImportError:
         return Check("FAIL", "ray", "not importable", TESTED["ray"][3])
-    sessions = Path("/tmp/ray/session_latest")
-    if sessions.exists() and shutil.which("ray"):
-        out = subprocess.run(["ray", "status"], capture_output=True, text=True, timeout=60)
-        if out.returncode == 0:
-            return Check("WARN", "ray", "a Ray instance is already running on this node; megarl "
-                         "attaches to it", "set ray.address or run `ray stop` to start fresh")
+    from megarl.cluster.ray_init import find_local_ray
+
+    running = find_local_ray()
+    if running:
+        ray_here = running[0]
+        return Check("WARN", "ray", f"a Ray instance is already running on this node (GCS "
+                     f"{ray_here.gcs_address}, raylet pid {ray_here.raylet_pid}, user "
+                     f"{ray_here.user}); with ray.address null megarl attaches to it",
+                     "set ray.address=local for a private instance, or `ray stop` it")
     return Check("PASS", "ray", "no running local instance; megarl will start one")
 
 
@@ -174,7 +220,8 @@ def run_checks(output_dir: Path) -> list[Check]:
     """All checks in the order they are printed."""
     checks = [check_python()] + [check_package(name) for name in TESTED]
     checks += check_devices()
-    checks += [check_distributed(), check_layer_spec(), check_ray(), check_disk(output_dir)]
+    checks += [check_distributed(), check_modules(), check_layer_spec(), check_ray(),
+               check_disk(output_dir)]
     return checks
 
 

@@ -345,6 +345,11 @@ def test_existing_ray_is_detected_attached_or_reported(ray_runtime):
     assert out["error"] is not None and "already running on this node" in out["error"]
     assert ours in out["error"] and "`ray stop`" in out["error"]
     assert (out["attached"], out["cpus"]) == (ours, 3.0)  # num_cpus=1 cannot shrink it
+    # `megarl doctor` finds it as the trainer does, by its raylet (not /tmp/ray's default)
+    from megarl.doctor import check_ray
+
+    found = check_ray()
+    assert found.status == "WARN" and ours in found.detail and "ray.address=local" in found.line()
     first, second = proc.stderr.split("JOINING WITH ITS OWN CPUS")
     assert "ray.num_cpus=1 is ignored when joining" in first and "offers 3.0 CPUs" in first
     assert "ignored when joining" not in second
