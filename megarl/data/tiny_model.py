@@ -82,24 +82,24 @@ _DEEPSEEK_V3: dict[str, Any] = {
 
 def tiny_config_dict(arch: Arch = "qwen3_moe", **overrides: Any) -> dict[str, Any]:
     """HF config fields of a tiny model of the given architecture (random init, fp32)."""
-    common: dict[str, Any] = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        hidden_act="silu",
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=0,
-        torch_dtype="float32",
-    )
+    common: dict[str, Any] = {
+        "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "torch_dtype": "float32",
+    }
     if arch == "qwen3_moe":
         common.update(
             architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",

@@ -113,7 +113,7 @@ def test_memory_preflight_reads_every_node_and_names_the_gpu(ray_runtime, assets
     from megarl.trainer.workers import check_memory_on_nodes
 
     cfg = demo_config(assets, tmp_path / "run", "resources.device=cuda")
-    plenty = lambda: {"GPU 0": (70 * GB, 80 * GB), "GPU 1": (79 * GB, 80 * GB)}  # noqa: E731
+    plenty = lambda: {"GPU 0": (70 * GB, 80 * GB), "GPU 1": (79 * GB, 80 * GB)}
     host = lambda: (500 * GB, 512 * GB, "MemAvailable")  # a lambda travels by value
     lines = check_memory_on_nodes(cfg, read=plenty, read_host=host)
     node_ip = ray.util.get_node_ip_address()
@@ -127,7 +127,7 @@ def test_memory_preflight_reads_every_node_and_names_the_gpu(ray_runtime, assets
 
     assert gpu_memory_on_nodes(broken) == ({}, [
         f"preflight: node {node_ip}: its GPUs could not be read (OSError: nvidia-smi: not found)"])
-    busy = lambda: {"GPU 0": (70 * GB, 80 * GB), "GPU 1": (1 << 20, 80 * GB)}  # noqa: E731
+    busy = lambda: {"GPU 0": (70 * GB, 80 * GB), "GPU 1": (1 << 20, 80 * GB)}
     with pytest.raises(NodeMemoryError) as err:
         check_memory_on_nodes(cfg, read=busy, read_host=host)
     refused = str(err.value).splitlines()[1:]

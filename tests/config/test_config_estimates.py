@@ -27,8 +27,8 @@ from megarl.config.estimates import (
 )
 from megarl.config.estimates_report import _step_optimizer, format_estimates
 from megarl.config.schema import ParallelConfig
-from megarl.weights.buckets import BufferPool
 from megarl.config.validate import validate_config
+from megarl.weights.buckets import BufferPool
 
 REPO = Path(__file__).resolve().parents[2]
 CARDS = REPO / "configs" / "models"
