@@ -76,7 +76,7 @@ def test_doctor_missing_required_package_fails_with_fix(monkeypatch):
 
 def test_doctor_reports_a_stack_that_cannot_build_a_model(monkeypatch):
     """S1: import works but the stack is broken; the modules check names the error and the fix."""
-    import megarl.megatron.model as model
+    from megarl.megatron import model
 
     def broken(*args, **kwargs):
         raise ImportError("cannot import name 'GPTModel' from 'megatron.core.models.gpt'")
