@@ -94,6 +94,17 @@ class RolloutConfig(Section):
         "engines return the routed experts of every token (needed by R3); null = on when "
         "`actor.router_replay.mode` is R3"))
     dtype: Dtype | None = Field(None, description="engine weight dtype; null = `model.dtype`")
+    max_prefill_tokens: int | None = Field(None, ge=1, description=(
+        "prompt tokens one prefill step may take (SGLang `--max-prefill-tokens`, the engine's "
+        "token budget; both engines' default 16384); lower it where long prompts run out of "
+        "memory in prefill"))
+    chunked_prefill_size: int | None = Field(None, ge=-1, description=(
+        "SGLang `--chunked-prefill-size`: prompts longer than this prefill in chunks (-1 = "
+        "never; null = SGLang's choice by GPU memory); sglang backend only: the embedded engine "
+        "prefills each prompt whole"))
+    sglang_args: list[str] = Field(default_factory=list, description=(
+        "more SGLang server flags, appended verbatim to every engine's command line (e.g. "
+        "`[--cuda-graph-max-bs, '256']`, slime's `--sglang-*` pass-through); sglang backend only"))
     quantization: Literal["fp8"] | None = Field(None, description=(
         "weights the engines compute with: null = `rollout.dtype`; fp8 = blockwise FP8 "
         "(e4m3, 128x128 `weight_scale_inv` blocks, the format of DeepSeek-V3 / Qwen3 FP8 "

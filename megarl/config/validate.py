@@ -59,6 +59,7 @@ from megarl.config.validate_pools import (
     check_pools_and_colocation,
     check_rollout_bind_needs_api_key,
     check_scheduler_needs_separate_pools,
+    check_sglang_only_settings,
     check_weight_sync_backend,
 )
 
@@ -70,7 +71,8 @@ RULES: tuple[Rule, ...] = (
     check_critic_batch_split,
     *LAYOUT_RULES,
     check_pools_and_colocation, check_scheduler_needs_separate_pools, check_weight_sync_backend,
-    check_rollout_bind_needs_api_key, check_device_settings, check_offload_param_and_optimizer,
+    check_rollout_bind_needs_api_key, check_device_settings, check_sglang_only_settings,
+    check_offload_param_and_optimizer,
     check_not_built, check_group_size, check_estimator_is_built, check_critic_for_gae,
     check_reference_layout, check_reference_for_kl, check_policy_loss_settings,
     check_rollout_correction, check_fp8_attention, check_router_replay, check_cuda_graphs,

@@ -97,3 +97,20 @@ def check_device_settings(ctx: Context) -> Iterator[Problem]:
         yield warning(("ray.num_cpus", "resources"), f"{processes} worker processes but Ray may "
                       f"use {cfg.ray.num_cpus} CPUs; workers wait for a free CPU",
                       f"set ray.num_cpus={processes} or more")
+
+
+def check_sglang_only_settings(ctx: Context) -> Iterator[Problem]:
+    """SGLang's own flags (chunked prefill, verbatim server flags) have no embedded-engine
+    counterpart: refused with the local backend rather than dropped."""
+    rollout = ctx.cfg.rollout
+    if rollout.backend != "local":
+        return
+    if rollout.chunked_prefill_size is not None:
+        yield error(("rollout.chunked_prefill_size", "rollout.backend"), "the embedded engine "
+                    "prefills each prompt whole (no chunked prefill)", "remove "
+                    "rollout.chunked_prefill_size, or lower rollout.max_prefill_tokens to bound "
+                    "a prefill step; chunked prefill needs rollout.backend=sglang")
+    if rollout.sglang_args:
+        yield error(("rollout.sglang_args", "rollout.backend"), f"{rollout.sglang_args} are "
+                    "SGLang server flags; the embedded engine (rollout.backend=local) takes none",
+                    "remove rollout.sglang_args, or set rollout.backend=sglang")

@@ -44,6 +44,12 @@ class EngineSpec:
     colocated: bool = False
     log_dir: str = "outputs/logs"
     sglang_args: tuple[str, ...] = field(default_factory=tuple)
+    """More SGLang flags, verbatim (``rollout.sglang_args``)."""
+    max_prefill_tokens: int | None = None
+    """Prompt tokens one prefill step may take (``rollout.max_prefill_tokens``); None leaves the
+    engine's default."""
+    chunked_prefill_size: int | None = None
+    """SGLang's ``--chunked-prefill-size`` (``rollout.chunked_prefill_size``)."""
     api_key: str | None = field(default=None, repr=False)
     """Key the server requires on every endpoint (``rollout.api_key``); never printed."""
     trust_remote_code: bool = False
@@ -75,6 +81,8 @@ def local_engine_args(spec: EngineSpec) -> list[str]:
         extra += ["--fp8-ignored-layers", *spec.fp8_ignored]
     if spec.load_format != "auto":
         extra += ["--load-format", spec.load_format]
+    if spec.max_prefill_tokens is not None:
+        extra += ["--max-prefill-tokens", str(spec.max_prefill_tokens)]
     if spec.enable_lora:  # the adapter sync never resends the base: released weights wait
         extra += ["--enable-lora", "--enable-weights-cpu-backup"]  # in host memory
     return extra
@@ -116,6 +124,8 @@ def engine_command(spec: EngineSpec, *, rank: int, port: int, device: str) -> li
         enable_deterministic_inference=spec.seed is not None, random_seed=spec.seed,
         dtype=None if spec.dtype == "auto" else spec.dtype,
         max_running_requests=spec.max_running_requests,
+        max_prefill_tokens=spec.max_prefill_tokens,
+        chunked_prefill_size=spec.chunked_prefill_size,
         trust_remote_code=spec.trust_remote_code)
     argv = build_sglang_command(launch) + list(spec.sglang_args)
     return argv + ["--api-key", spec.api_key] if spec.api_key else argv

@@ -87,8 +87,8 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
         clip_cov_ub=a.policy_loss.clip_cov_ub, kl_cov_ratio=a.policy_loss.kl_cov_ratio,
         ppo_kl_coef=a.policy_loss.ppo_kl_coef, tau_pos=a.tau_pos, tau_neg=a.tau_neg,
         loss_agg_mode=a.loss_agg_mode, norm_len=float(cfg.data.max_response_length),
-        entropy_coeff=a.entropy_coeff,
-        use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type)
+        entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+        kl_loss_type=a.kl_loss_type)
     seq_len = cfg.data.max_prompt_length + cfg.data.max_response_length
     if a.use_dynamic_bsz:  # per GPU: a packed row is split over the cp ranks of a replica
         budget = a.ppo_max_token_len_per_gpu * sizes.cp
@@ -108,8 +108,7 @@ def actor_spec(cfg: RunConfig) -> ActorSpec:
                      init_checkpoint=cfg.model.mcore_checkpoint,
                      router_replay=(a.router_replay.mode != "disabled"
                                     or bool(cfg.rollout.enable_return_routed_experts)),
-                     cuda_graphs=a.cuda_graphs,
-                     cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens,
+                     cuda_graphs=a.cuda_graphs, cuda_graph_bucket_tokens=a.cuda_graph_bucket_tokens,
                      offload=OffloadSettings(**a.offload.model_dump()),
                      ref_param_offload=cfg.ref.offload.param_offload,
                      recompute=recompute_settings(a.recompute),
@@ -144,9 +143,11 @@ def engine_spec(cfg: RunConfig, log_dir: Path) -> EngineSpec:
                       seed=cfg.trainer.seed, log_dir=str(log_dir),
                       gpus_per_engine=r.gpus_per_engine, mem_fraction=r.gpu_memory_utilization,
                       return_routed_experts=bool(r.enable_return_routed_experts),
-                      colocated=r.colocate, api_key=r.api_key,
+                      colocated=r.colocate, api_key=r.api_key, sglang_args=tuple(r.sglang_args),
                       trust_remote_code=cfg.model.trust_remote_code,
                       quantization=r.quantization, load_format=r.load_format,
+                      max_prefill_tokens=r.max_prefill_tokens,
+                      chunked_prefill_size=r.chunked_prefill_size,
                       fp8_ignored=ignored_modules(r.fp8_attention) if r.quantization else (),
                       enable_lora=adapters, lora_rank=cfg.actor.lora.rank if adapters else 0,
                       lora_modules=hf_leaf_modules(cfg.actor.lora.target_modules) if adapters
@@ -455,8 +456,7 @@ def _build_ray_workers(cfg: RunConfig, output_dir: Path, started_ray: bool,
         lap("critic")
     urls = [u for u in rollout.execute_all("wait_ready") if u]
     lap("engines")
-    workers = _assemble(cfg, actor, rollout, urls, True, device, rollout.world_size,
-                        started_ray)
+    workers = _assemble(cfg, actor, rollout, urls, True, device, rollout.world_size, started_ray)
     lap("weight sync setup")
     workers.critic = critic
     workers.pools = pools

@@ -247,6 +247,12 @@ CASES = [
     ("check_settings_without_effect", ["trainer.worker_group=naive",
                                        "ray.timeline_file=/tmp/megarl_timeline.json"], None,
      ["ray.timeline_file"], "set trainer.worker_group=ray", "warning"),
+    ("check_sglang_only_settings", ["rollout.backend=local", "rollout.chunked_prefill_size=4096"],
+     None, ["rollout.chunked_prefill_size", "rollout.backend"], "rollout.max_prefill_tokens",
+     "error"),
+    ("check_sglang_only_settings", ["rollout.backend=local",
+                                    "rollout.sglang_args=[--cuda-graph-max-bs,'256']"], None,
+     ["rollout.sglang_args", "rollout.backend"], "set rollout.backend=sglang", "error"),
     # multi-turn episodes (rollout.multi_turn)
     ("check_multi_turn", ["rollout.multi_turn.enable=true"], None,
      ["rollout.multi_turn.tools", "rollout.multi_turn.env"],

@@ -25,8 +25,8 @@ CONFIGS = {
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",
         quantization="fp8", context_length=4096, max_running_requests=128, random_seed=1234,
         trust_remote_code=True, log_level="warning", enable_lora=True, max_lora_rank=16,
-        lora_target_modules=("q_proj", "v_proj", "down_proj"),
-        extra_args=("--chunked-prefill-size", "8192")),
+        lora_target_modules=("q_proj", "v_proj", "down_proj"), max_prefill_tokens=8192,
+        chunked_prefill_size=4096, extra_args=("--cuda-graph-max-bs", "256")),
     "tokenizer_and_no_mem_fraction": SGLangLaunchConfig(
         model_path="/ckpt/m", skip_tokenizer_init=False, mem_fraction_static=None,
         load_format="auto", dtype="auto"),
@@ -50,7 +50,8 @@ EXPECTED: dict[str, dict[str, Any]] = {
         base_gpu_id=4, nccl_port=31000, enable_metrics=True, dtype="bfloat16",
         quantization="fp8", context_length=4096, max_running_requests=128, random_seed=1234,
         trust_remote_code=True, log_level="warning", enable_lora=True, max_lora_rank=16,
-        lora_target_modules=["q_proj", "v_proj", "down_proj"], chunked_prefill_size=8192),
+        lora_target_modules=["q_proj", "v_proj", "down_proj"], max_prefill_tokens=8192,
+        chunked_prefill_size=4096, cuda_graph_max_bs=256),
     "tokenizer_and_no_mem_fraction": _fields(
         skip_tokenizer_init=False, mem_fraction_static=None, load_format="auto", dtype="auto"),
 }

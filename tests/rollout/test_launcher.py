@@ -297,3 +297,24 @@ def test_fp8_engines_keep_the_attention_in_the_model_dtype_when_asked(tmp_path):
     errors = [p for p in validate_config(plain, allow_missing_files=True) if p.is_error]
     assert any("rollout.fp8_attention" in p.fields and "rollout.quantization=fp8" in p.fix
                for p in errors), errors
+
+
+def test_engine_token_budget_and_sglang_flags_reach_the_command_lines(tmp_path):
+    """rollout.max_prefill_tokens goes to both engines (the embedded server's flag is SGLang's),
+    chunked prefill and the verbatim flags to SGLang's (refused with the embedded engine:
+    tests/config)."""
+    from megarl.config import load_config
+    from megarl.rollout.server_worker import engine_command
+    from megarl.trainer.workers import engine_spec
+
+    demo = Path(__file__).parents[2] / "configs" / "tiny-moe-cpu.yaml"
+    cfg, _ = load_config(demo, ["rollout.max_prefill_tokens=4096"])
+    local = engine_command(engine_spec(cfg, tmp_path), rank=0, port=9, device="cpu")
+    assert local[local.index("--max-prefill-tokens") + 1] == "4096"
+    cfg, _ = load_config(demo, ["rollout.backend=sglang", "rollout.max_prefill_tokens=4096",
+                                "rollout.chunked_prefill_size=2048",
+                                "rollout.sglang_args=[--cuda-graph-max-bs,'256']"])
+    argv = engine_command(engine_spec(cfg, tmp_path), rank=0, port=9, device="cuda")
+    assert argv[argv.index("--max-prefill-tokens") + 1] == "4096"
+    assert argv[argv.index("--chunked-prefill-size") + 1] == "2048"
+    assert argv[-2:] == ["--cuda-graph-max-bs", "256"]

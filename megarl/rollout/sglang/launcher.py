@@ -72,6 +72,10 @@ class SGLangLaunchConfig:
     (:func:`fp8_serving_dir`): the server holds fp8 weights + ``weight_scale_inv``."""
     context_length: int | None = None
     max_running_requests: int | None = None
+    max_prefill_tokens: int | None = None
+    """Prompt tokens one prefill step may take (SGLang's default 16384)."""
+    chunked_prefill_size: int | None = None
+    """Prompts longer than this prefill in chunks (-1: never; None: SGLang's choice)."""
     random_seed: int | None = None
     """The server's seed; also turns on ``enable_deterministic_inference``."""
     trust_remote_code: bool = False
@@ -96,6 +100,8 @@ def build_sglang_command(cfg: SGLangLaunchConfig, python: str = sys.executable) 
                 ("--dtype", cfg.dtype), ("--quantization", cfg.quantization),
                 ("--context-length", cfg.context_length),
                 ("--max-running-requests", cfg.max_running_requests),
+                ("--max-prefill-tokens", cfg.max_prefill_tokens),
+                ("--chunked-prefill-size", cfg.chunked_prefill_size),
                 ("--random-seed", cfg.random_seed), ("--nccl-port", cfg.nccl_port),
                 ("--max-lora-rank", cfg.max_lora_rank),
                 ("--log-level", cfg.log_level))
