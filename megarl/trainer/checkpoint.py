@@ -95,8 +95,11 @@ def save_run_checkpoint(run: RunState) -> dict[str, float]:
     root = checkpoint_root(run)
     critic = run.workers.critic
     if critic is not None:
-        # the critic first: the actor's checkpoint (and its `latest`) marks the step complete
-        critic.group.execute_all("save_checkpoint", str(root / "critic"), step, {}, keep_last)
+        # the critic first: the actor's checkpoint (and its `latest`) marks the step complete.
+        # It keeps one more: a crash between the two saves leaves the actor's previous step as
+        # `latest`, and a resume from it needs that step's critic
+        critic.group.execute_all("save_checkpoint", str(root / "critic"), step, {},
+                                 None if keep_last is None else keep_last + 1)
     pending = run.workers.actor.execute_all_async("save_checkpoint", str(root), step, extra,
                                                       keep_last, background)
     crash_point("save", step)

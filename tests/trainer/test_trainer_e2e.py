@@ -198,7 +198,8 @@ def test_ppo_with_a_critic_runs_gae(assets, tmp_path):
     trainer = make_trainer(assets, tmp_path / "gae", "algorithm.adv_estimator=gae",
                            "critic.optim.lr=1e-2", "trainer.total_steps=3",
                            "data.train_batch_size=8", "rollout.n=4",
-                           "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8")
+                           "actor.ppo_mini_batch_size=4", "actor.ppo_micro_batch_size_per_gpu=8",
+                           "trainer.save_every=1", "trainer.keep_last=1")
     probe = [[1, 5, 9, 13, 17, 21, 25]]
     try:
         trainer.setup()
@@ -217,6 +218,15 @@ def test_ppo_with_a_critic_runs_gae(assets, tmp_path):
         assert -1e-6 <= metrics["critic/returns/min"] <= metrics["critic/returns/max"] <= 1 + 1e-6
     # the critic was trained: its values on a fixed sequence moved
     assert max(abs(a - b) for a, b in zip(before[0][1:], after[0][1:])) > 1e-3
+    # keep_last=1: the actor keeps step 3; the critic also step 2, which a crash after the
+    # critic's save of step 3 and before the actor's would leave the run to resume from
+    root = tmp_path / "gae" / "checkpoints"
+
+    def steps(folder: Path) -> list[str]:
+        return sorted(p.name for p in folder.iterdir() if p.name.startswith("step_"))
+
+    assert steps(root) == ["step_00000003"]
+    assert steps(root / "critic") == ["step_00000002", "step_00000003"]
 
 
 HAND_OFF = ["release kv_cache+weights", "offload grad+optimizer", "free_cache", "resume weights",
