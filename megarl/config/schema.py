@@ -383,7 +383,8 @@ class TrainerConfig(Section):
         "auto = continue from the latest checkpoint under output_dir/checkpoints if any; never "
         "= start over; or a checkpoint directory"))
     keep_last: int | None = Field(None, ge=1, description=(
-        "checkpoints kept on disk; null = all"))
+        "checkpoints kept on disk; null = all (a critic keeps one more: a crash between its "
+        "save and the actor's resumes from the actor's previous step)"))
     async_save: bool = Field(False, description=(
         "write the actor's checkpoints in the background: the step waits only while the state "
         "is staged in host memory, a forked process per rank writes the files, and the "
