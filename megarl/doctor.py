@@ -8,6 +8,7 @@ platform, resolved config).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata as md
 import os
 import platform
@@ -15,6 +16,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -115,23 +117,38 @@ def check_distributed() -> Check:
     import torch
     import torch.distributed as dist
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
     if dist.is_initialized():
         return Check("PASS", "distributed", f"already initialised ({dist.get_backend()})")
+    backend = _backend()
     try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                rank=0, world_size=1)
-        device = "cuda" if backend == "nccl" else "cpu"
-        value = torch.ones(1, device=device)
-        dist.all_reduce(value)
-        ok = value.item() == 1.0
+        with _one_process_group():
+            value = torch.ones(1, device="cuda" if backend == "nccl" else "cpu")
+            dist.all_reduce(value)
+            ok = value.item() == 1.0
     except Exception as err:  # noqa: BLE001
         return Check("FAIL", "distributed", f"{backend} init failed: {err}",
                      "check NCCL/gloo installation and that 127.0.0.1 is usable")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
     return Check("PASS" if ok else "FAIL", "distributed", f"one-process {backend} all-reduce")
+
+
+def _backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+@contextlib.contextmanager
+def _one_process_group() -> Iterator[None]:
+    """A torch.distributed group of this process alone (nccl on a GPU, else gloo), destroyed
+    on the way out."""
+    import torch.distributed as dist
+
+    dist.init_process_group(_backend(), init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
+                            world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def check_layer_spec() -> Check:
@@ -164,18 +181,16 @@ def check_modules() -> Check:
 
         with tempfile.TemporaryDirectory(prefix="megarl-doctor-") as tmp:
             path = make_tiny_model(Path(tmp) / "model", arch="qwen3_moe", seed=0)
-            dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1,
-                                    init_method=f"tcp://127.0.0.1:{free_port()}")
-            try:
-                actor = build_actor_model(path, ParallelSizes(),
-                                          torch.bfloat16 if cuda else torch.float32)
-                device = "cuda" if cuda else "cpu"
-                ids = torch.arange(8, device=device)[None]
-                logits = actor.chunks[0](input_ids=ids, position_ids=ids, attention_mask=None)
-                ok = bool(torch.isfinite(logits).all())
-            finally:
-                destroy_parallel()
-                dist.destroy_process_group()
+            with _one_process_group():
+                try:
+                    actor = build_actor_model(path, ParallelSizes(),
+                                              torch.bfloat16 if cuda else torch.float32)
+                    ids = torch.arange(8, device="cuda" if cuda else "cpu")[None]
+                    logits = actor.chunks[0](input_ids=ids, position_ids=ids,
+                                             attention_mask=None)
+                    ok = bool(torch.isfinite(logits).all())
+                finally:
+                    destroy_parallel()
     except Exception as err:  # noqa: BLE001 - report whatever the stack raises
         return Check("FAIL", "modules", f"a tiny actor did not build or run: "
                      f"{type(err).__name__}: {err}", "install megatron-core, mbridge and "

@@ -8,7 +8,15 @@ import math
 from collections.abc import Iterator, Sequence
 
 from megarl.config.derived import DerivedSizes
-from megarl.config.estimates import GB, EngineMemory, Estimates, UpdateMemory, estimate, size
+from megarl.config.estimates import (
+    BUCKETS_IN_FLIGHT,
+    GB,
+    EngineMemory,
+    Estimates,
+    UpdateMemory,
+    estimate,
+    size,
+)
 from megarl.config.model_info import ModelInfo
 from megarl.config.problems import Context, Problem, warning
 from megarl.config.schema import RunConfig
@@ -75,7 +83,8 @@ def _update_rows(cfg: RunConfig, est: Estimates) -> list[tuple[str, str]]:
         ("", f"{est.log_prob.tokens_per_micro_batch} tokens per forward (no backward)"),
         ("weight sync", (f"actor {size(est.sync_actor)}"
                          + (f" + idle ref/critic {size(u.other_roles)}" if u.other_roles else "")
-                         + f" + 2 buckets {size(est.buckets)}{sync_engine} = {size(est.sync)}")),
+                         + f" + {BUCKETS_IN_FLIGHT} buckets {size(est.buckets)}{sync_engine} = "
+                         f"{size(est.sync)}")),
     ]
 
 
@@ -208,8 +217,8 @@ def check_memory_fits(ctx: Context) -> Iterator[Problem]:
     if est.sync > limit:
         yield warning(("resources.gpu_memory_gb", "checkpoint_engine.bucket_size_mb",
                        "actor.offload"), (
-            f"the weight sync needs ~{size(est.sync)} on an actor GPU (incl. two bucket "
-            f"buffers, {size(est.buckets)}) but a GPU has {mem} GB"),
+            f"the weight sync needs ~{size(est.sync)} on an actor GPU (incl. "
+            f"{BUCKETS_IN_FLIGHT} bucket buffers, {size(est.buckets)}) but a GPU has {mem} GB"),
             "lower checkpoint_engine.bucket_size_mb or set actor.offload.optimizer_offload=true")
     engine = est.engine
     if engine is not None and engine.colocated and not engine.sequences_fit:

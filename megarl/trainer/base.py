@@ -130,16 +130,10 @@ class TrainerBase:
         else:
             print(f"warning: {line}", file=sys.stderr)
 
-    def finish(self, failed: bool = False) -> None:
-        """End of run: the PNG of the run's metrics and the Ray timeline; also after a step
-        failed (``failed``), when an error here is a warning, not one that hides the step's."""
+    def finish(self) -> None:
+        """End of run (also after a failed step): the PNG of the run's metrics and the Ray
+        timeline."""
         if not self.is_driver:
-            return
-        if failed:
-            try:
-                self.finish()
-            except Exception as err:  # noqa: BLE001 - the step's own error is the one raised
-                self.warn(f"after the failure, the plot and timeline were not written: {err}")
             return
         from megarl.metrics.plot import plot_run
 

@@ -104,11 +104,9 @@ def train_main(argv: list[str]) -> int:
     except (DatasetError, NodePathError, NodeMemoryError) as err:  # before any worker started
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (PhaseOutOfMemory, NonFiniteUpdates) as err:  # one line with the knobs (T1, T5)
+    # the knobs (T1, T5), or the ranks, phase and logs (T2, T6): the driver's stack adds nothing
+    except (PhaseOutOfMemory, NonFiniteUpdates, WorkerTimeoutError, WorkerDiedError) as err:
         print(f"error: {err}", file=sys.stderr)
-        return 1
-    except (WorkerTimeoutError, WorkerDiedError) as err:  # the ranks, phase, logs (T2, T6):
-        print(f"error: {err}", file=sys.stderr)  # the driver's own stack would add nothing
         return 1
     finally:
         trainer.close()

@@ -54,7 +54,10 @@ class Trainer(StepPhases):
             publish_checkpoint(self)  # a background save still being written
         except BaseException:
             scheduler.close()
-            self.finish(failed=True)  # the plot and the timeline of the steps until the failure
+            try:  # the plot and the timeline of the steps until the failure
+                self.finish()
+            except Exception as err:  # noqa: BLE001 - the step's own error is the one raised
+                self.warn(f"after the failure, the plot and timeline were not written: {err}")
             raise
         scheduler.close()
         self.finish()
